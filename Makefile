@@ -1,0 +1,34 @@
+# simengine: `make sim SCENARIO=name` and `make test` are all a new user needs.
+SCENARIO ?= agent_multiturn
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: sim test fuzz bench lint clean venv
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+sim: $(STAMP)
+	$(BIN)/simengine run $(SCENARIO)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+fuzz: $(STAMP)
+	$(BIN)/python -m pytest tests/test_fuzz_invariants.py -q -p no:randomly --hypothesis-profile=fuzz
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check simengine tests bench
+
+clean:
+	rm -rf $(VENV) results/* plots/*

@@ -1,0 +1,7 @@
+"""`python -m simengine` = the `simengine` command."""
+
+import sys
+
+from simengine.cli import main
+
+sys.exit(main())

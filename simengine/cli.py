@@ -1,0 +1,121 @@
+"""`simengine run|compare|list`: parse, call, print. Exit 0 ok, 2 bad input (one line), 1 internal error."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from simengine.errors import InputError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage dump -> our one-line contract
+        raise InputError(f"{message} (see `simengine {self.prog.split()[-1]} --help`)", field="command line")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="simengine", description="Discrete-event simulator of LLM inference serving engines.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, help_ in (("run", "simulate a scenario's engines and write results and plots"),
+                        ("compare", "run engines side by side on the identical request stream")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file")
+        s.add_argument("--engines", help="comma-separated engine names (default: the scenario's list)")
+        s.add_argument("--out", default="results", help="results folder (default results/)")
+        s.add_argument("--plots", default="plots", help="plots folder (default plots/)")
+        s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                       help="override a scenario field, e.g. --set workload.arrival.rate=4")
+        s.add_argument("--no-plots", action="store_true", help="skip figures")
+    ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
+    ls.add_argument("what", choices=["engines", "hardware", "models", "scenarios"])
+    return p
+
+
+def _engines_arg(text: str | None, scenario):
+    from simengine.config.scenario import EngineEntry
+    if not text:
+        return list(scenario.engines)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise InputError("--engines is empty; give e.g. --engines vllm,sglang", field="--engines")
+    by_label = {e.display: e for e in scenario.engines}
+    return [by_label.get(n, EngineEntry(engine=n)) for n in names]
+
+
+def cmd_run(args) -> int:
+    from simengine.api import compare, write_results
+    from simengine.config.scenario import load_scenario
+    from simengine.report.tables import format_table
+    from simengine.sim.runner import build_deployment, build_engine
+
+    scenario = load_scenario(args.scenario, args.set)
+    engines = _engines_arg(args.engines, scenario)
+    dep = build_deployment(scenario)
+    for e in engines:  # validate every engine before running any (no half-written results)
+        build_engine(e, dep)
+    results = compare(scenario, engines)
+    written = write_results(scenario, results, Path(args.out), Path(args.plots), make_plots=not args.no_plots)
+    d = scenario.deployment
+    print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "
+          f"seed {scenario.seed}")
+    print(format_table({k: v.summary for k, v in results.items()}))
+    print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
+                                                             else ""))
+    return EXIT_OK
+
+
+def cmd_list(args) -> int:
+    if args.what == "engines":
+        from simengine.engines import ENGINES
+        for name in ENGINES.names():
+            cls = ENGINES.get(name)
+            print(f"{name:10s} runs on: {', '.join(sorted(cls.vendors))}  ({(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''})")
+    elif args.what == "hardware":
+        from simengine.config.hardware import hardware_files, load_hardware
+        print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} {'FP8 TF':>8s}")
+        for name in hardware_files():
+            h = load_hardware(name)
+            bf16 = h.peak_flops.get("bf16", h.peak_flops.get("fp16", 0)) / 1e12
+            fp8 = h.peak_flops.get("fp8")
+            print(f"{name:24s} {h.vendor:9s} {h.device_class:11s} {h.memory_bytes / 2**30:8.0f} "
+                  f"{h.memory_bandwidth_bytes_s / 1e9:8.0f} {bf16:8.1f} {fp8 / 1e12 if fp8 else float('nan'):8.1f}")
+    elif args.what == "models":
+        from simengine.config.model import load_model, model_names
+        print(f"{'name':22s} {'type':12s} {'total B':>8s} {'active B':>9s} {'KV B/token (16-bit)':>20s}")
+        for name in model_names():
+            m = load_model(name)
+            print(f"{name:22s} {m.model_type:12s} {m.total_params / 1e9:8.2f} {m.active_params / 1e9:9.2f} "
+                  f"{m.kv_bytes_per_token(2.0):20,.0f}")
+    else:
+        from simengine.config.scenario import scenario_files
+        from simengine.config.loader import load_yaml
+        for name, path in scenario_files().items():
+            first = path.read_text().splitlines()[0].lstrip("# ").strip() if path.stat().st_size else ""
+            print(f"{name:32s} {first}")
+            _ = load_yaml  # scenarios are validated when run
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command in ("run", "compare"):
+            return cmd_run(args)
+        return cmd_list(args)
+    except InputError as exc:
+        print(f"simengine: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # an internal bug: say so, keep the traceback for the report
+        import traceback
+        traceback.print_exc()
+        print(f"simengine: internal error: {exc.__class__.__name__}: {exc} (please report)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

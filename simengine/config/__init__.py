@@ -1,0 +1,1 @@
+"""Configuration: frozen dataclasses for scenarios, hardware and models, loaded strictly from YAML/JSON."""

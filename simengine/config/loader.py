@@ -1,0 +1,197 @@
+"""Strict dict -> frozen dataclass conversion: unknown keys, wrong types and bad values become InputError."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from simengine.errors import InputError, did_you_mean
+
+_MISSING = dataclasses.MISSING
+
+
+def load_yaml(path: Path) -> Any:
+    """Read a YAML file with safe_load only; every failure is an InputError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("file not found", source=str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read file ({exc.__class__.__name__})", source=str(path)) from None
+    if not text.strip():
+        raise InputError("file is empty; write a YAML mapping", source=str(path))
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"invalid YAML ({problem}); only plain YAML data is accepted", source=where) from None
+
+
+def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
+    """Build dataclass `cls` from `data`, rejecting unknown keys and mistyped values with the field path."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise InputError(f"expected a mapping for {cls.__name__}, got {_kind(data)}", source=source,
+                         field=field or None)
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{field}.{key}" if field else str(key)
+        if key not in fields:
+            raise InputError(
+                f"unknown key{did_you_mean(key, fields)}; valid keys: {', '.join(sorted(fields))}",
+                source=source, field=path)
+        kwargs[key] = convert(hints[key], value, source=source, field=path)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
+            path = f"{field}.{name}" if field else name
+            raise InputError("required key is missing", source=source, field=path)
+    try:
+        return cls(**kwargs)
+    except InputError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise InputError(str(exc), source=source, field=field or None) from None
+
+
+def convert(tp: Any, value: Any, *, source: str, field: str) -> Any:
+    """Convert one YAML value to type `tp` (scalars, Optional, Literal, list, tuple, dict, dataclass)."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(arg, value, source=source, field=field)
+            except InputError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise InputError(f"'{value}' is not one of {', '.join(map(str, allowed))}"
+                             f"{did_you_mean(value, map(str, allowed))}", source=source, field=field)
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise InputError(f"expected a list, got {_kind(value)}", source=source, field=field)
+        (item_tp, *_rest) = get_args(tp) or (Any,)
+        items = [convert(item_tp, v, source=source, field=f"{field}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise InputError(f"expected a mapping, got {_kind(value)}", source=source, field=field)
+        _, val_tp = get_args(tp) or (Any, Any)
+        return {str(k): convert(val_tp, v, source=source, field=f"{field}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source=source, field=field)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise InputError(f"expected true or false, got {_kind(value)}", source=source, field=field)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise InputError(f"expected an integer, got {_kind(value)}", source=source, field=field)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InputError(f"expected a number, got {_kind(value)}", source=source, field=field)
+        if math.isnan(value):
+            raise InputError("NaN is not a valid number", source=source, field=field)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise InputError(f"expected a string, got {_kind(value)}", source=source, field=field)
+        return value
+    raise TypeError(f"unsupported config type {tp!r} for {field}")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split a --set 'a.b.c=value' into a key path and a YAML-parsed value."""
+    if "=" not in text:
+        raise InputError(f"'{text}' is not key.path=value", field="--set")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise InputError(f"'{text}' has an empty key", field="--set")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted --set overrides to a raw scenario mapping (a copy is returned)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            if isinstance(node, list):
+                node = _list_item(node, k, text)
+                continue
+            if not isinstance(node.get(k), dict | list):
+                node[k] = {}
+            node = node[k]
+        last = keys[-1]
+        if isinstance(node, list):
+            node[_index(node, last, text)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _index(node: list, key: str, text: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise InputError(f"'{key}' is not an index of a list of {len(node)} in '{text}'", field="--set")
+    return int(key)
+
+
+def _list_item(node: list, key: str, text: str) -> Any:
+    i = _index(node, key, text)
+    if isinstance(node[i], str):  # an engine given by name: expand it so params can be set
+        node[i] = {"engine": node[i]}
+    return node[i]
+
+
+def check_positive(value: float | int, field: str, *, allow_zero: bool = False) -> None:
+    """Raise ValueError naming `field` unless value > 0 (or >= 0)."""
+    if value is None:
+        return
+    if isinstance(value, float) and math.isinf(value) and value > 0:
+        return
+    if (value < 0) or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise InputError(f"must be {need}, got {value}", field=field)
+
+
+def check_fraction(value: float, field: str) -> None:
+    """Raise unless 0 < value <= 1."""
+    if not (0.0 < value <= 1.0):
+        raise InputError(f"must be in (0, 1], got {value}", field=field)

@@ -1,0 +1,240 @@
+"""Model shapes from HuggingFace config.json: parameter counts, weight and KV bytes derived, never typed in."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from simengine.config.hardware import REPO_ROOT
+from simengine.errors import InputError, unknown_name
+
+MODELS_DIR = REPO_ROOT / "models"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer's shape. Parameter counts are per whole model (tp=1)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int              # per-head dim of K (and V for non-MLA)
+    qk_head_dim: int           # per-head dim of the Q.K product (MLA: nope + rope)
+    v_head_dim: int
+    intermediate_size: int     # dense MLP width
+    gated_mlp: bool            # SwiGLU (3 matrices) vs GELU MLP (2 matrices, BLOOM)
+    vocab_size: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    kv_latent_dim: int = 0     # MLA: kv_lora_rank + qk_rope_head_dim stored per token per layer
+    attn_params_per_layer: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0     # one routed expert's params in one layer
+    num_moe_layers: int = 0
+    shared_expert_params_per_moe_layer: int = 0
+    router_params_per_moe_layer: int = 0
+    sliding_window: int = 0
+    num_sliding_layers: int = 0
+
+    # ---- derived counts -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_dense_mlp_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Params of the output projection (shared with the embedding when tied; it is still a GEMM)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    @property
+    def dense_linear_params(self) -> int:
+        """Linear params every token passes through (attention, dense MLPs, shared experts, routers)."""
+        moe_fixed = self.shared_expert_params_per_moe_layer + self.router_params_per_moe_layer
+        return (self.num_layers * self.attn_params_per_layer
+                + self.num_dense_mlp_layers * self.dense_mlp_params
+                + self.num_moe_layers * moe_fixed)
+
+    @property
+    def routed_expert_params_total(self) -> int:
+        return self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def total_params(self) -> int:
+        lm = 0 if self.tie_word_embeddings else self.lm_head_params
+        return (self.embedding_params + lm + self.norm_params + self.dense_linear_params
+                + self.routed_expert_params_total)
+
+    @property
+    def active_params(self) -> int:
+        """Params one token touches (embedding row excluded from FLOPs but counted as published)."""
+        lm = 0 if self.tie_word_embeddings else self.lm_head_params
+        routed = self.num_moe_layers * self.experts_per_token * self.expert_params
+        return self.embedding_params + lm + self.norm_params + self.dense_linear_params + routed
+
+    @property
+    def active_linear_params(self) -> int:
+        """Linear params multiplied per token in the layers (no embedding, no LM head): FLOPs = 2x this."""
+        return self.dense_linear_params + self.num_moe_layers * self.experts_per_token * self.expert_params
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    def kv_bytes_per_token_layer(self, kv_elem_bytes: float) -> float:
+        """KV bytes one token stores in one attention layer (K and V, or MLA's latent)."""
+        if self.kv_latent_dim:
+            return self.kv_latent_dim * kv_elem_bytes
+        return 2 * self.num_kv_heads * self.head_dim * kv_elem_bytes
+
+    def kv_bytes_per_token(self, kv_elem_bytes: float) -> float:
+        """KV bytes per cached token across full-attention layers (sliding layers hold only their window)."""
+        return self.num_full_attention_layers * self.kv_bytes_per_token_layer(kv_elem_bytes)
+
+
+def _get(cfg: dict, *names: str, default: Any = None, required: bool = True, source: str = "") -> Any:
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    if required and default is None:
+        raise InputError(f"config.json lacks '{names[0]}' (needed to derive the model shape)", source=source,
+                         field=names[0])
+    return default
+
+
+def _positive_int(value: Any, field: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"must be a positive integer, got {value!r}", source=source, field=field)
+    return value
+
+
+def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
+    """Derive a ModelSpec from a HuggingFace config.json mapping."""
+    if not isinstance(cfg, dict):
+        raise InputError("config.json must be a JSON object", source=source)
+    if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers keep the LM here
+        cfg = cfg["text_config"]
+    model_type = str(cfg.get("model_type", "unknown"))
+    g = functools.partial(_get, cfg, source=source)
+    h = _positive_int(g("hidden_size", "n_embed", "d_model"), "hidden_size", source)
+    layers = _positive_int(g("num_hidden_layers", "n_layer", "num_layers"), "num_hidden_layers", source)
+    heads = _positive_int(g("num_attention_heads", "n_head"), "num_attention_heads", source)
+    kv_heads = _positive_int(g("num_key_value_heads", "multi_query_group_num", default=heads),
+                             "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise InputError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
+                         source=source, field="num_key_value_heads")
+    head_dim = int(g("head_dim", default=h // heads))
+    vocab = _positive_int(g("vocab_size", "padded_vocab_size"), "vocab_size", source)
+    is_bloom = model_type == "bloom"
+    inter = int(g("intermediate_size", "ffn_hidden_size", default=4 * h))
+    max_len = int(g("max_position_embeddings", "seq_length", "max_sequence_length", default=2048))
+    tie = bool(cfg.get("tie_word_embeddings", is_bloom))
+
+    kv_lora = int(cfg.get("kv_lora_rank") or 0)
+    if kv_lora:  # Multi-head Latent Attention (DeepSeek-V2/V3)
+        rope, nope = int(g("qk_rope_head_dim")), int(g("qk_nope_head_dim"))
+        v_dim = int(g("v_head_dim"))
+        q_lora = int(cfg.get("q_lora_rank") or 0)
+        q_params = (h * q_lora + q_lora + q_lora * heads * (nope + rope)) if q_lora else h * heads * (nope + rope)
+        attn = q_params + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
+        qk_dim, latent, k_dim = nope + rope, kv_lora + rope, nope + rope
+    else:
+        attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+        qk_dim, v_dim, latent, k_dim = head_dim, head_dim, 0, head_dim
+
+    num_experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0,
+                           required=False) or 0)
+    moe: dict[str, int] = {}
+    if num_experts:
+        topk = _positive_int(g("num_experts_per_tok", "experts_per_token", "moe_topk"), "num_experts_per_tok",
+                             source)
+        e_inter = int(g("moe_intermediate_size", default=inter))
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        dense_set = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
+        moe_layers = sum(1 for i in range(layers)
+                         if i >= first_dense and i not in dense_set and (i + 1) % step == 0)
+        shared = int(cfg.get("n_shared_experts") or 0) * 3 * h * e_inter
+        shared += 3 * h * int(cfg.get("shared_expert_intermediate_size") or 0)
+        moe = dict(num_experts=num_experts, experts_per_token=topk, expert_params=3 * h * e_inter,
+                   num_moe_layers=moe_layers, shared_expert_params_per_moe_layer=shared,
+                   router_params_per_moe_layer=h * num_experts)
+
+    layer_types = cfg.get("layer_types") or []
+    sliding = int(cfg.get("sliding_window") or 0)
+    n_sliding = sum(1 for t in layer_types if t == "sliding_attention") if sliding else 0
+    return ModelSpec(
+        name=name, model_type=model_type, num_layers=layers, hidden_size=h, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=k_dim, qk_head_dim=qk_dim, v_head_dim=v_dim,
+        intermediate_size=inter, gated_mlp=not is_bloom, vocab_size=vocab, max_model_len=max_len,
+        tie_word_embeddings=tie, kv_latent_dim=latent, attn_params_per_layer=attn,
+        sliding_window=sliding if n_sliding else 0, num_sliding_layers=n_sliding, **moe)
+
+
+@functools.cache
+def _catalog() -> dict[str, dict]:
+    path = MODELS_DIR / "catalog.yaml"
+    if not path.exists():
+        return {}
+    from simengine.config.loader import load_yaml
+    data = load_yaml(path) or {}
+    return data if isinstance(data, dict) else {}
+
+
+def model_names() -> dict[str, Path]:
+    """Catalog name (and alias) -> config.json path."""
+    names = {p.stem: p for p in sorted(MODELS_DIR.glob("*.json"))}
+    for name, entry in _catalog().items():
+        if isinstance(entry, dict):
+            cfg_file = MODELS_DIR / str(entry.get("config", f"{name}.json"))
+            for alias in entry.get("aliases") or []:
+                names[str(alias)] = cfg_file
+    return names
+
+
+def load_model(name: str, *, field: str = "deployment.model") -> ModelSpec:
+    """A catalog name, alias, or a path to a HuggingFace config.json."""
+    p = Path(name)
+    if p.suffix == ".json" or p.name == "config.json":
+        if not p.exists():
+            raise InputError(f"model config '{name}' not found; give a catalog name or an existing "
+                             f"config.json path", field=field)
+        return _load_json(p.resolve(), p.stem if p.name != "config.json" else p.parent.name)
+    names = model_names()
+    if name not in names:
+        raise unknown_name("model", name, names, field=field)
+    return _load_json(names[name], name)
+
+
+@functools.cache
+def _load_json(path: Path, name: str) -> ModelSpec:
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"invalid JSON at line {exc.lineno} ({exc.msg})", source=str(path)) from None
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.__class__.__name__})", source=str(path)) from None
+    return model_from_config(cfg, name=name, source=str(path))

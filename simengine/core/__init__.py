@@ -1,0 +1,1 @@
+"""Plain data shared by engines, the simulator and metrics: requests and scheduler outputs."""

@@ -1,0 +1,47 @@
+"""What one engine step computes: the scheduler's output and the batch shape the cost model prices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simengine.core.request import Request
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """Token-level shape of one forward pass (all the cost model needs)."""
+
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (new tokens, cached context before)
+    num_decode: int = 0                 # requests computing exactly one new token
+    decode_context_tokens: int = 0      # sum over decodes of the context their attention reads
+    num_logits: int = 0                 # tokens that produce logits (decodes + prompts finishing this step)
+    padded_decode: int = 0              # decode batch after CUDA-graph padding (>= num_decode)
+    cuda_graph: bool = False            # whole step replayed from a captured graph
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c for c, _ in self.prefill_chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions. `scheduled` pairs a request with the tokens it computes this step."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)   # failed at admission this step
+    shape: BatchShape = field(default_factory=BatchShape)
+    extra_steps: int = 0            # identical decode steps folded into this one (static/lockstep runs)
+    idle_reason: str = ""           # why nothing was scheduled although work is waiting
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)

@@ -1,0 +1,1 @@
+"""Step-time models: a roofline with named efficiency terms (and, optionally, measured tables)."""

@@ -1,0 +1,121 @@
+"""Roofline step time: each part of a forward pass is bound by compute or by memory, plus comm and overhead.
+
+See ../shared/reference/cost-model.md for the physics. Efficiency terms are named and come from the
+hardware YAML (`efficiency.gemm_fraction`, `efficiency.memory_bandwidth_fraction`); nothing per-row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
+from simengine.config.hardware import Hardware
+from simengine.config.model import ModelSpec
+from simengine.core.batch import BatchShape
+from simengine.cost.timing import EngineTiming
+
+ACT_BYTES = 2.0  # activations are 16-bit in every engine modelled
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds for one step and where they went (compute-bound, memory-bound, communication, overhead)."""
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+
+
+class RooflineCost:
+    """Step time for one replica of `model` on `tp` x `pp` devices of `hw`."""
+
+    def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
+                 tp: int = 1, pp: int = 1, timing: EngineTiming):
+        self.model, self.hw, self.timing = model, hw, timing
+        self.tp, self.pp = tp, pp
+        compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)
+        attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops else compute_dtype)
+        shards = tp  # per-device work: tensor parallel splits every GEMM; pipeline stages run in sequence
+        self.linear_flops_s = hw.peak(compute_dtype) * hw.gemm_fraction * shards
+        self.attn_flops_s = hw.peak(attn_dtype) * hw.gemm_fraction * shards
+        self.bytes_s = hw.memory_bandwidth_bytes_s * hw.memory_bandwidth_fraction * shards
+        m = model
+        wb = weight_format.bytes_per_param
+        self.dense_weight_bytes = m.dense_linear_params * wb
+        self.expert_bytes = m.expert_params * wb
+        self.lm_head_bytes = m.lm_head_params * wb
+        self.active_linear_flops_per_token = 2.0 * m.active_linear_params
+        self.lm_head_flops_per_token = 2.0 * m.lm_head_params
+        self.act_bytes_per_token = ACT_BYTES * m.num_layers * 4 * m.hidden_size  # in/out of attn and MLP blocks
+        # attention: QK^T and PV per query token per cached token, summed over heads, per layer
+        self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim)
+        self.kv_bytes_layer = m.kv_bytes_per_token_layer(kv_elem_bytes)
+        self.full_layers = m.num_full_attention_layers
+        self.sliding_layers = m.num_sliding_layers
+        self.window = m.sliding_window
+        self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
+        self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
+        self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
+        self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * m.num_layers
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing)."""
+        m = self.model
+        if not m.num_experts or tokens <= 0:
+            return 0.0
+        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
+
+    def step(self, shape: BatchShape) -> StepCost:
+        """Price one forward pass."""
+        m = self.model
+        tokens = shape.num_prefill_tokens + max(shape.padded_decode, shape.num_decode)
+        # linear layers + LM head: weights read once per step; FLOPs per token
+        weight_bytes = self.dense_weight_bytes + self.lm_head_bytes
+        if m.num_experts:
+            weight_bytes += m.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / self.bytes_s
+        lin_cmp = (tokens * self.active_linear_flops_per_token
+                   + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
+        # attention: prefill chunks are compute-heavy, decodes read every cached token's KV
+        pairs = 0.0
+        kv_tokens_read = 0.0
+        for c, k in shape.prefill_chunks:
+            pairs += c * (k + c / 2.0)
+            kv_tokens_read += k + c
+        pairs += shape.decode_context_tokens
+        kv_tokens_read += shape.decode_context_tokens
+        attn_bytes = kv_tokens_read * self.kv_bytes_layer * self.full_layers
+        attn_flops = pairs * self.attn_flops_per_pair * self.full_layers
+        if self.sliding_layers:
+            w = self.window
+            mean_ctx = shape.decode_context_tokens / max(shape.num_decode, 1)
+            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in shape.prefill_chunks)
+            sl_pairs += shape.num_decode * min(w, mean_ctx)
+            sl_read = sum(min(k + c, w) for c, k in shape.prefill_chunks) + shape.num_decode * min(w, mean_ctx)
+            attn_flops += sl_pairs * self.attn_flops_per_pair * self.sliding_layers
+            attn_bytes += sl_read * self.kv_bytes_layer * self.sliding_layers
+        att_cmp = attn_flops / self.attn_flops_s
+        att_mem = attn_bytes / self.bytes_s
+        compute_s = (lin_cmp if lin_cmp >= lin_mem else 0.0) + (att_cmp if att_cmp >= att_mem else 0.0)
+        memory_s = (lin_mem if lin_mem > lin_cmp else 0.0) + (att_mem if att_mem > att_cmp else 0.0)
+        comm_s = 0.0
+        if self.num_allreduce:
+            per_call = self.hw.link_latency_s + self.ring_factor * tokens * self.allreduce_bytes_per_token / (
+                self.hw.link_bandwidth_bytes_s)
+            comm_s = self.num_allreduce * per_call
+        if self.pp > 1:
+            comm_s += (self.pp - 1) * (self.hw.link_latency_s
+                                       + tokens * self.allreduce_bytes_per_token / self.hw.link_bandwidth_bytes_s)
+        gpu_s = compute_s + memory_s + comm_s
+        t = self.timing
+        if shape.cuda_graph:
+            launch = t.graph_replay_s
+            gpu_total = gpu_s + launch
+        else:
+            # eager: the host enqueues kernels ahead of the GPU; the step lasts the longer of the two
+            launch = self.launch_s
+            gpu_total = max(gpu_s, launch)
+        overhead_s = (gpu_total - gpu_s) + t.exposed_host_s(gpu_total)
+        return StepCost(gpu_s + overhead_s, compute_s, memory_s, comm_s, overhead_s)

@@ -1,0 +1,155 @@
+"""The engine-policy contract and the mechanics every policy shares (token progress, finishing, shapes).
+
+A policy is pure: `schedule(now)` decides one step, `update(output, now)` applies its results. No SimPy,
+no wall clock, randomness only from an injected numpy Generator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from simengine.core.batch import BatchShape, SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.memory import Deployment
+from simengine.registry import Registry
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step produced: finished requests, and inter-token gaps grouped as {previous token time: count}."""
+
+    finished: list[Request] = field(default_factory=list)
+    itl_groups: dict[float, int] = field(default_factory=dict)
+    num_first_tokens: int = 0
+
+
+class EnginePolicy(ABC):
+    """One serving engine's scheduler and KV rules.
+
+    Subclasses set `Params` (a frozen dataclass with the engine's real knob names and defaults), `vendors`
+    (where it runs), and implement `add_request`, `schedule` and the queue views. `update` is shared.
+    """
+
+    name: ClassVar[str]
+    Params: ClassVar[type]
+    vendors: ClassVar[frozenset[str]]        # hardware vendors the engine supports
+    device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
+    support_source: ClassVar[str] = ""
+
+    def __init__(self, params, dep: Deployment):
+        self.params = params
+        self.dep = dep
+        self.max_model_len = dep.model.max_model_len
+        self.num_preemptions = 0
+        self.timing: EngineTiming = self.make_timing()
+
+    # ---- contract ---------------------------------------------------------------------------------
+    @abstractmethod
+    def make_timing(self) -> EngineTiming:
+        """The engine's named overhead terms for this deployment."""
+
+    @abstractmethod
+    def add_request(self, req: Request, now: float) -> bool:
+        """Queue a new request. Returns False (and marks it FAILED with a reason) if the engine rejects it."""
+
+    @abstractmethod
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step. Mutates queues and KV allocations; never advances token counts."""
+
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @abstractmethod
+    def kv_usage(self) -> float:
+        """Fraction of KV capacity in use (0..1)."""
+
+    @abstractmethod
+    def release(self, req: Request) -> None:
+        """Free a finished request's KV (a policy may cache it first)."""
+
+    def prefix_hit_rate(self) -> float:
+        return 0.0
+
+    def has_work(self) -> bool:
+        return self.num_running() > 0 or self.num_waiting() > 0
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on broken bookkeeping (tests/fuzzing)."""
+
+    def kv_capacity_tokens(self) -> int:
+        return 0
+
+    # ---- shared mechanics ---------------------------------------------------------------------------
+    def reject(self, req: Request, reason: str) -> bool:
+        req.status = Status.FAILED
+        req.fail_reason = reason
+        return False
+
+    def check_length(self, req: Request) -> bool:
+        """Reject prompts that leave no room to generate within max_model_len (engines answer HTTP 400)."""
+        if req.prompt_len + 1 > self.max_model_len:
+            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}")
+        return True
+
+    def update(self, out: SchedulerOutput, now: float) -> StepResult:
+        """Advance computed tokens; a request that caught up samples one token; finished ones are released."""
+        res = StepResult()
+        itl = res.itl_groups
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.prompt_len + req.num_output_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.num_output_tokens += 1
+            if req.num_output_tokens == 1:
+                req.first_token_s = now
+                res.num_first_tokens += 1
+            else:
+                last = req.last_token_s
+                itl[last] = itl.get(last, 0) + 1
+            req.last_token_s = now
+            if req.num_output_tokens >= req.output_len:
+                req.status = Status.FINISHED
+                req.finish_s = now
+                res.finished.append(req)
+        if res.finished:
+            self.on_finished(res.finished, now)
+        return res
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        """Remove finished requests from the running set and free their KV."""
+        for req in finished:
+            self.release(req)
+
+    def make_shape(self, scheduled: Iterable[tuple[Request, int]]) -> BatchShape:
+        """The batch shape of a step, with CUDA-graph coverage decided by the engine's timing terms."""
+        shape = BatchShape()
+        chunks = shape.prefill_chunks
+        num_decode = ctx = logits = 0
+        for req, n in scheduled:
+            total = req.prompt_len + req.num_output_tokens
+            if n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == total - 1:
+                num_decode += 1
+                ctx += total
+                logits += 1
+            else:
+                chunks.append((n, req.num_computed_tokens))
+                if req.num_computed_tokens + n >= total:
+                    logits += 1
+        shape.num_decode, shape.decode_context_tokens, shape.num_logits = num_decode, ctx, logits
+        shape.cuda_graph, shape.padded_decode = self.timing.graph_for(num_decode, not chunks)
+        return shape
+
+    def mark_scheduled(self, req: Request, now: float) -> None:
+        if req.first_scheduled_s < 0:
+            req.first_scheduled_s = now
+        req.status = Status.RUNNING
+
+
+ENGINES: Registry[EnginePolicy] = Registry("engine")

@@ -1,0 +1,75 @@
+"""Memory sizing shared by the engines' rules: weights per device, activation reserve, KV bytes per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simengine.config.dtypes import WeightFormat
+from simengine.config.hardware import Hardware
+from simengine.config.model import ModelSpec
+from simengine.errors import InputError
+
+GIB = 2**30
+# Memory CUDA context, NCCL and allocator fragmentation take outside the engine's pools. ESTIMATE: vLLM logs
+# report 0.3-1.5 GiB "non-torch memory" on H100 (vllm/v1/worker/gpu_worker.py determine_available_memory).
+NON_TORCH_BYTES = 0.75 * GIB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deployment:
+    """What runs where: one replica of `model` on tp x pp devices of `hardware`."""
+
+    model: ModelSpec
+    hardware: Hardware
+    weight_format: WeightFormat
+    kv_dtype: str
+    kv_elem_bytes: float
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def weight_bytes_per_device(self) -> float:
+        return self.model.total_params * self.weight_format.bytes_per_param / self.num_devices
+
+    @property
+    def kv_bytes_per_token_per_device(self) -> float:
+        """KV heads are split by tp (replicated when tp exceeds them), layers by pp."""
+        m = self.model
+        per_token = m.kv_bytes_per_token(self.kv_elem_bytes)
+        if m.kv_latent_dim:  # MLA's latent is replicated across tp ranks
+            return per_token / self.pp
+        heads_per_device = max(1.0, m.num_kv_heads / self.tp)
+        return per_token * heads_per_device / m.num_kv_heads / self.pp
+
+
+def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs: int) -> float:
+    """Peak activation memory of a profiling forward of `max_tokens_per_step` tokens (per device).
+
+    ESTIMATE of what engines measure with a dummy forward: the MLP's gate/up output and activation
+    (3 x intermediate per token, 16-bit) plus hidden-state buffers, and fp32 logits for `max_seqs` rows.
+    """
+    m = dep.model
+    inter = m.intermediate_size if not m.is_moe else m.intermediate_size
+    per_token = 2.0 * (3 * inter / dep.tp + 6 * m.hidden_size)
+    logits = 4.0 * min(max_seqs, max_tokens_per_step) * m.vocab_size / dep.tp
+    return max_tokens_per_step * per_token + logits
+
+
+def kv_tokens_or_refuse(dep: Deployment, kv_bytes: float, *, engine: str, rule: str) -> int:
+    """KV token capacity per replica from the bytes an engine's rule leaves; InputError if nothing fits."""
+    tokens = int(kv_bytes // dep.kv_bytes_per_token_per_device) if kv_bytes > 0 else 0
+    if tokens < 16:
+        hw, m = dep.hardware, dep.model
+        need = dep.weight_bytes_per_device / GIB
+        have = hw.memory_bytes / GIB
+        more_tp = dep.tp * 2
+        raise InputError(
+            f"{m.name} does not fit on {hw.name} with {engine}: weights {need:.1f} GiB per device of "
+            f"{have:.1f} GiB, leaving {max(kv_bytes, 0) / GIB:.2f} GiB for KV under {rule}; use tp={more_tp}, "
+            f"a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory",
+            field="deployment")
+    return tokens

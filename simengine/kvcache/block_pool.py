@@ -1,0 +1,100 @@
+"""A paged KV block pool with ref counts and a hashed-full-block prefix cache (vLLM V1 semantics).
+
+Free blocks sit in one LRU queue (an insertion-ordered dict): allocation pops from the front; a freed
+request's blocks are appended tail-first, so the end of a prefix chain is evicted before its head. A popped
+block that still carries a hash leaves the hash map then (lazy eviction). A cached block with ref count 0
+can be touched back out of the free queue by a prefix hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockPool:
+    """`num_blocks` KV blocks. Contract: ref counts never negative; used + free == num_blocks."""
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}                  # block hash -> block id
+        self.free_queue: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The cached block holding this hash, or None."""
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop n blocks from the LRU front (evicting their cached content). Caller checked num_free >= n."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
+        out = []
+        free_queue, block_hash, cached, ref_cnt = self.free_queue, self.block_hash, self.cached, self.ref_cnt
+        for _ in range(n):
+            b = next(iter(free_queue))
+            del free_queue[b]
+            h = block_hash[b]
+            if h is not None:
+                if cached.get(h) == b:
+                    del cached[h]
+                block_hash[b] = None
+                self.num_evictions += 1
+            ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks hit by a prefix lookup."""
+        free_queue, ref_cnt = self.free_queue, self.ref_cnt
+        for b in blocks:
+            if ref_cnt[b] == 0:
+                del free_queue[b]
+            ref_cnt[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the LRU tail in reverse order."""
+        free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
+        for b in reversed(blocks):
+            ref_cnt[b] -= 1
+            if ref_cnt[b] < 0:
+                raise RuntimeError(f"block {b} ref count went negative")
+            if ref_cnt[b] == 0:
+                if not self.enable_caching and block_hash[b] is not None:
+                    block_hash[b] = None
+                free_queue[b] = None
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """Publish a full block's hash. An existing mapping for the hash is kept (no de-duplication)."""
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        self.block_hash[block] = block_hash
+        self.cached.setdefault(block_hash, block)
+
+    def num_free_after_touch(self, blocks: list[int]) -> int:
+        """Free blocks left if `blocks` (cache hits) were touched: hits idle in the free queue stop being free."""
+        return len(self.free_queue) - sum(1 for b in blocks if self.ref_cnt[b] == 0)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent (tests and fuzzing)."""
+        assert (self.ref_cnt >= 0).all(), "negative ref count"
+        free = np.zeros(self.num_blocks, dtype=bool)
+        free[list(self.free_queue)] = True
+        assert ((self.ref_cnt == 0) == free).all(), "free queue disagrees with ref counts"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, "hash map points at a block with another hash"

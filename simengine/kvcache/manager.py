@@ -1,0 +1,132 @@
+"""KVCacheManager: per-request block tables over a BlockPool, prefix lookups and slot allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simengine.core.request import Request
+from simengine.kvcache.block_pool import BlockPool
+from simengine.kvcache.hashing import extend_block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Blocks a prefix lookup found, and the tokens they cover."""
+
+    blocks: list[int]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit([], 0)
+
+
+class KVCacheManager:
+    """Paged KV for one replica. Policies call these methods; they never index the pool directly."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[int, list[int]] = {}
+        self.req_hashed: dict[int, int] = {}     # blocks of the request already published to the cache
+        self.query_tokens = 0                    # prefix-cache queries and hits, in tokens (vLLM metric)
+        self.hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, req: Request) -> PrefixHit:
+        """Longest cached prefix of full blocks, capped so at least one prompt token is recomputed."""
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(req, self.block_size, max_blocks * self.block_size)
+        blocks = []
+        lookup = self.pool.lookup
+        for h in hashes[:max_blocks]:
+            b = lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        hit = PrefixHit(blocks, len(blocks) * self.block_size)
+        self.query_tokens += req.num_tokens
+        self.hit_tokens += hit.num_tokens
+        return hit
+
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
+                     reserve_tokens: int = 0, watermark_blocks: int = 0) -> bool:
+        """Whether allocate_slots would succeed (no state change)."""
+        return self._blocks_needed(req, num_new_tokens, hit, reserve_tokens) <= (
+            self.pool.num_free_after_touch(hit.blocks) - watermark_blocks)
+
+    def _blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit, reserve_tokens: int) -> int:
+        have = len(self.req_blocks.get(req.request_id, ())) + len(hit.blocks)
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        return max(0, self.blocks_for(max(total, reserve_tokens)) - have)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, *,
+                       reserve_tokens: int = 0, watermark_blocks: int = 0) -> bool:
+        """Give `req` blocks for its computed tokens, the hit and `num_new_tokens` more.
+
+        `reserve_tokens` asks for blocks covering at least that many tokens (vLLM's full-prompt admission,
+        TGI/TRT-LLM worst-case reservation). Returns False and changes nothing when blocks are short.
+        """
+        needed = self._blocks_needed(req, num_new_tokens, hit, reserve_tokens)
+        if needed > self.pool.num_free_after_touch(hit.blocks) - watermark_blocks:
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if hit.blocks:
+            self.pool.touch(hit.blocks)
+            blocks.extend(hit.blocks)
+            self.req_hashed[req.request_id] = len(hit.blocks)
+        if needed:
+            blocks.extend(self.pool.allocate(needed))
+        if self.enable_prefix_caching:
+            self._publish(req, req.num_computed_tokens + hit.num_tokens + num_new_tokens)
+        return True
+
+    def _publish(self, req: Request, num_tokens: int) -> None:
+        """Hash and publish the request's blocks that `num_tokens` computed tokens fill completely."""
+        rid = req.request_id
+        done = self.req_hashed.get(rid, 0)
+        full = min(num_tokens, len(req.token_ids)) // self.block_size
+        if full <= done:
+            return
+        hashes = extend_block_hashes(req, self.block_size, full * self.block_size)
+        blocks = self.req_blocks[rid]
+        cache_block = self.pool.cache_block
+        for i in range(done, min(full, len(blocks))):
+            cache_block(blocks[i], hashes[i])
+        self.req_hashed[rid] = min(full, len(blocks))
+
+    def num_blocks_of(self, req: Request) -> int:
+        return len(self.req_blocks.get(req.request_id, ()))
+
+    def free(self, req: Request) -> None:
+        """Release every block of the request (no-op if it holds none)."""
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self.req_hashed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def free_tail(self, req: Request, keep_tokens: int) -> int:
+        """Release the request's blocks beyond the first `keep_tokens` tokens; return blocks freed."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return 0
+        keep = self.blocks_for(keep_tokens)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.req_hashed[req.request_id] = min(self.req_hashed.get(req.request_id, 0), keep)
+        self.pool.free(tail)
+        return len(tail)
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

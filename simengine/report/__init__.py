@@ -1,0 +1,1 @@
+"""Reports: tables and matplotlib figures, built from frames only."""

@@ -1,0 +1,118 @@
+"""Figures from frames: per-engine TTFT/TPOT and KV/queue timelines, and an engine side-by-side grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def _rolling(df: pd.DataFrame, col: str, q: float) -> pd.Series:
+    window = max(5, len(df) // 25)
+    return df[col].rolling(window, min_periods=1, center=True).quantile(q)
+
+
+def latency_timeline(requests: pd.DataFrame, title: str, path: Path) -> Path:
+    """TTFT and TPOT of each completed request at its arrival time, with rolling p50 and p99."""
+    done = requests[requests["status"] == "completed"].sort_values("arrival_s")
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for ax, col, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms/token)")):
+        d = done.dropna(subset=[col])
+        ax.scatter(d["arrival_s"], d[col], s=6, alpha=0.35, label="request", color="tab:blue")
+        if len(d):
+            ax.plot(d["arrival_s"], _rolling(d, col, 0.5), color="tab:green", label="rolling p50")
+            ax.plot(d["arrival_s"], _rolling(d, col, 0.99), color="tab:red", label="rolling p99")
+        ax.set_ylabel(label)
+        ax.set_yscale("log") if len(d) and d[col].min() > 0 else None
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    axes[1].set_xlabel("arrival time (s)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
+    """KV-cache usage, running and waiting requests over simulated time."""
+    fig, ax1 = plt.subplots(figsize=(10, 4.5))
+    if len(steps):
+        s = steps.groupby("end_s", sort=True).agg(kv=("kv_usage", "mean"), run=("num_running", "sum"),
+                                                  wait=("num_waiting", "sum")).reset_index()
+        ax1.plot(s["end_s"], s["kv"] * 100, color="tab:purple", label="KV usage (%)")
+        ax2 = ax1.twinx()
+        ax2.plot(s["end_s"], s["run"], color="tab:green", label="running", alpha=0.8)
+        ax2.plot(s["end_s"], s["wait"], color="tab:orange", label="waiting", alpha=0.8)
+        ax2.set_ylabel("requests")
+        lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
+    ax1.set_ylim(0, 105)
+    ax1.set_xlabel("simulated time (s)")
+    ax1.set_ylabel("KV usage (%)")
+    ax1.grid(alpha=0.3)
+    ax1.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _cdf(ax, values: np.ndarray, label: str) -> None:
+    v = np.sort(values[~np.isnan(values)])
+    if len(v):
+        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label)
+
+
+def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries: dict[str, dict], title: str,
+                 path: Path) -> Path:
+    """Engines side by side: TTFT and TPOT CDFs, throughput bars, KV usage, TTFT timelines overlaid."""
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    (a_ttft, a_tpot, a_thr), (a_kv, a_tl, a_tpl) = axes
+    labels = list(frames)
+    for label, (req, steps) in frames.items():
+        done = req[req["status"] == "completed"].sort_values("arrival_s")
+        _cdf(a_ttft, done["ttft_ms"].to_numpy(), label)
+        _cdf(a_tpot, done["tpot_ms"].to_numpy(), label)
+        if len(steps):
+            s = steps.groupby("end_s").agg(kv=("kv_usage", "mean")).reset_index()
+            a_kv.plot(s["end_s"], s["kv"] * 100, label=label, alpha=0.8)
+        d = done.dropna(subset=["ttft_ms"])
+        if len(d):
+            a_tl.plot(d["arrival_s"], _rolling(d, "ttft_ms", 0.5), label=label)
+        d = done.dropna(subset=["tpot_ms"])
+        if len(d):
+            a_tpl.plot(d["arrival_s"], _rolling(d, "tpot_ms", 0.5), label=label)
+    x = np.arange(len(labels))
+    a_thr.bar(x, [summaries[lb]["output_throughput"] for lb in labels], color="tab:blue")
+    a_thr.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    a_thr.set_ylabel("output tokens/s")
+    a_thr.set_title("output throughput")
+    for ax, t, xl in ((a_ttft, "TTFT CDF", "TTFT (ms)"), (a_tpot, "TPOT CDF", "TPOT (ms/token)")):
+        ax.set_xscale("log")
+        ax.set_title(t)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("fraction of requests")
+    a_kv.set_title("KV usage over time")
+    a_kv.set_xlabel("simulated time (s)")
+    a_kv.set_ylabel("KV usage (%)")
+    a_tl.set_title("TTFT rolling median by arrival")
+    a_tl.set_yscale("log")
+    a_tl.set_xlabel("arrival time (s)")
+    a_tl.set_ylabel("TTFT (ms)")
+    a_tpl.set_title("TPOT rolling median by arrival")
+    a_tpl.set_xlabel("arrival time (s)")
+    a_tpl.set_ylabel("TPOT (ms/token)")
+    for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,1 @@
+"""The only SimPy code: replica engine loops, the router, arrival and session processes, the runner."""

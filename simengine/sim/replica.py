@@ -1,0 +1,69 @@
+"""One replica: the engine loop process (schedule -> cost -> hold the GPU for the step -> update)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import simpy
+
+from simengine.core.request import Request
+from simengine.cost.roofline import RooflineCost
+from simengine.engines.base import EnginePolicy
+from simengine.metrics.recorder import Recorder
+
+
+class Replica:
+    """Runs one engine policy. Idle, it parks on an event that `submit` triggers (no polling)."""
+
+    def __init__(self, env: simpy.Environment, index: int, engine: EnginePolicy, cost: RooflineCost,
+                 recorder: Recorder, on_done: Callable[[Request, int], None], *, check_invariants: bool = False):
+        self.env, self.index, self.engine, self.cost = env, index, engine, cost
+        self.recorder, self.on_done = recorder, on_done
+        self.gpu = simpy.Resource(env, capacity=1)
+        self.check = check_invariants
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self.run())
+
+    def load(self) -> int:
+        return self.engine.num_running() + self.engine.num_waiting()
+
+    def submit(self, req: Request) -> None:
+        """Hand a request to the engine; a rejection is final and reported at once."""
+        if not self.engine.add_request(req, self.env.now):
+            self.on_done(req, self.index)
+            return
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def run(self):
+        env, engine, cost, rec = self.env, self.engine, self.cost, self.recorder
+        while True:
+            if not engine.has_work():
+                self._wake = env.event()
+                yield self._wake
+                continue
+            out = engine.schedule(env.now)
+            for req in out.rejected:
+                self.on_done(req, self.index)
+            if out.is_empty:
+                if engine.num_running():
+                    raise RuntimeError(f"{engine.name} scheduled nothing with {engine.num_running()} running "
+                                       f"({out.idle_reason or 'no reason given'})")
+                self._wake = env.event()  # waiting work that cannot start until something changes
+                yield self._wake
+                continue
+            c = cost.step(out.shape)
+            start = env.now
+            with self.gpu.request() as hold:
+                yield hold
+                yield env.timeout(c.seconds)
+            res = engine.update(out, env.now)
+            shape = out.shape
+            rec.step((self.index, start, env.now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
+                      engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
+                      c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
+                     env.now, res.itl_groups)
+            if self.check:
+                engine.check_invariants()
+            for req in res.finished:
+                self.on_done(req, self.index)

@@ -1,0 +1,201 @@
+"""Build a deployment and run one engine on a scenario's request stream in a SimPy environment."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import simpy
+
+from simengine.config.dtypes import kv_bytes, weight_format
+from simengine.config.hardware import load_hardware
+from simengine.config.loader import from_dict
+from simengine.config.model import load_model
+from simengine.config.scenario import EngineEntry, Scenario
+from simengine.core.request import Request, Status
+from simengine.cost.roofline import RooflineCost
+from simengine.engines import ENGINES, EnginePolicy
+from simengine.engines.memory import Deployment
+from simengine.errors import InputError
+from simengine.metrics.recorder import Recorder
+from simengine.sim.replica import Replica
+from simengine.workload.generator import RequestFactory, SessionPlan
+
+
+def build_deployment(scenario: Scenario) -> Deployment:
+    """Resolve hardware, model and dtypes of a scenario (InputError on unknown names or impossible combos)."""
+    d = scenario.deployment
+    hw = load_hardware(d.hardware)
+    model = load_model(d.model)
+    fmt = weight_format(d.weight_dtype)
+    kv_name = d.kv_dtype if d.kv_dtype != "auto" else ("bf16" if fmt.bytes_per_param <= 2 else fmt.name)
+    if d.tp > 1 and model.num_heads % d.tp:
+        raise InputError(f"tp={d.tp} does not divide {model.name}'s {model.num_heads} attention heads",
+                         field="deployment.tp")
+    if d.pp > model.num_layers:
+        raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field="deployment.pp")
+    return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name,
+                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp)
+
+
+def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
+    """Instantiate an engine policy with validated params; refuse hardware it does not run on."""
+    cls = ENGINES.get(entry.engine, field="engines")
+    params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
+    hw = dep.hardware
+    if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
+        ok = [n for n in ENGINES.names()
+              if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
+        raise InputError(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
+                         f"that do: {', '.join(ok) or 'none'}", field="engines")
+    return cls(params, dep)
+
+
+@dataclass
+class RunResult:
+    """Everything one engine run produced (frames are built later from the recorder's rows)."""
+
+    scenario: Scenario
+    entry: EngineEntry
+    deployment: Deployment
+    recorder: Recorder
+    end_s: float
+    engines: list[EnginePolicy] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.entry.display
+
+
+class Runner:
+    """Wires arrivals, sessions, a router and replicas into one SimPy environment."""
+
+    def __init__(self, scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False):
+        self.scenario, self.entry = scenario, entry
+        self.dep = build_deployment(scenario)
+        self.env = simpy.Environment()
+        self.recorder = Recorder()
+        self.factory = RequestFactory(scenario.workload, scenario.seed, self.dep.model.vocab_size)
+        self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
+        self.replicas = [
+            Replica(self.env, i, eng, RooflineCost(self.dep.model, self.dep.hardware,
+                                                   weight_format=self.dep.weight_format,
+                                                   kv_elem_bytes=self.dep.kv_elem_bytes, tp=self.dep.tp,
+                                                   pp=self.dep.pp, timing=eng.timing),
+                    self.recorder, self._on_done, check_invariants=check_invariants)
+            for i, eng in enumerate(self.engines)]
+        self.live: dict[int, Request] = {}
+        self.waiters: dict[int, simpy.Event] = {}
+        self.sources_open = 0
+        self.all_done = self.env.event()
+        self._rr = 0
+
+    # ---- routing and completion ---------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        self.recorder.arrived += 1
+        self.live[req.request_id] = req
+        if self.scenario.deployment.router == "round_robin":
+            replica = self.replicas[self._rr % len(self.replicas)]
+            self._rr += 1
+        else:
+            replica = min(self.replicas, key=Replica.load)
+        replica.submit(req)
+
+    def _on_done(self, req: Request, replica: int) -> None:
+        self.live.pop(req.request_id, None)
+        self.recorder.finished(req, replica)
+        ev = self.waiters.pop(req.request_id, None)
+        if ev is not None:
+            ev.succeed(req)
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self.sources_open == 0 and not self.live and not self.all_done.triggered:
+            self.all_done.succeed()
+
+    # ---- processes --------------------------------------------------------------------------------------
+    def _open_loop(self):
+        env, horizon = self.env, self.scenario.horizon_s
+        for req in self.factory.open_loop(horizon if self.scenario.workload.num_requests is None else float("inf")):
+            if req.arrival_s > env.now:
+                yield env.timeout(req.arrival_s - env.now)
+            self.submit(req)
+        self._close_source()
+
+    def _closed_loop_user(self):
+        env, horizon, cap = self.env, self.scenario.horizon_s, self.scenario.workload.num_requests
+        while env.now <= horizon and (cap is None or self.factory.next_id < cap):
+            req = self.factory.closed_loop_request(env.now)
+            yield from self._send_and_wait(req)
+        self._close_source()
+
+    def _session_slot(self, first_index: int, stride: int):
+        env, horizon = self.env, self.scenario.horizon_s
+        index = first_index
+        while env.now <= horizon:
+            plan = self.factory.session(index)
+            if index == first_index and plan.start_offset_s:
+                yield env.timeout(plan.start_offset_s)
+            yield from self._run_session(plan)
+            index += stride
+        self._close_source()
+
+    def _run_session(self, plan: SessionPlan):
+        env, horizon = self.env, self.scenario.horizon_s
+        previous = None
+        for turn in range(plan.turns):
+            if env.now > horizon:
+                return
+            plan.turn = turn
+            req = self.factory.session_turn(plan, env.now, previous)
+            done = yield from self._send_and_wait(req)
+            if done.status is not Status.FINISHED:
+                return  # the engine rejected the grown context: the conversation ends here
+            previous = req
+            if turn + 1 < plan.turns:
+                yield env.timeout(self.factory.think_time(plan))
+
+    def _send_and_wait(self, req: Request):
+        ev = self.env.event()
+        self.waiters[req.request_id] = ev
+        self.submit(req)
+        if req.request_id not in self.waiters:  # rejected synchronously
+            return req
+        return (yield ev)
+
+    def _close_source(self) -> None:
+        self.sources_open -= 1
+        self._maybe_done()
+
+    def start_sources(self) -> None:
+        wl = self.scenario.workload
+        if wl.sessions is not None:
+            n = wl.sessions.population
+            self.sources_open = n
+            for i in range(n):
+                self.env.process(self._session_slot(i, n))
+        elif wl.arrival.process == "closed_loop":
+            self.sources_open = wl.arrival.concurrency
+            for _ in range(wl.arrival.concurrency):
+                self.env.process(self._closed_loop_user())
+        else:
+            self.sources_open = 1
+            self.env.process(self._open_loop())
+
+    def run(self) -> RunResult:
+        self.start_sources()
+        limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
+        self.env.run(until=self.env.any_of([self.all_done, limit]))
+        for req in sorted(self.live.values(), key=lambda r: r.request_id):
+            self.recorder.request(req, -1, "unfinished")
+        return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines)
+
+
+def simulate(scenario: Scenario, entry: EngineEntry | None = None, *, check_invariants: bool = False) -> RunResult:
+    """Run one engine (default: the scenario's first) and return its raw results."""
+    entry = entry or scenario.engines[0]
+    return Runner(scenario, entry, check_invariants=check_invariants).run()
+
+
+def with_engine_params(entry: EngineEntry, **params) -> EngineEntry:
+    return dataclasses.replace(entry, params={**entry.params, **params})

@@ -1,0 +1,1 @@
+"""Workloads: length distributions, arrival processes, multi-turn sessions and trace replay -> Requests."""
