@@ -1,6 +1,13 @@
-"""Engine policies, one module each; importing this package registers them all in ENGINES."""
+"""Engine policies, one module each; importing this package registers every module's engine in ENGINES."""
 
-from simengine.engines import vllm  # noqa: F401  (registers)
+import importlib
+import pkgutil
+
 from simengine.engines.base import ENGINES, EnginePolicy
+
+_SHARED = {"base", "memory", "common"}
+for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _mod not in _SHARED and not _mod.startswith("_"):
+        importlib.import_module(f"{__name__}.{_mod}")
 
 __all__ = ["ENGINES", "EnginePolicy"]

@@ -40,6 +40,10 @@ class EnginePolicy(ABC):
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
     support_source: ClassVar[str] = ""
 
+    # Limits the shared invariant tests check on every step (None = the engine has no such cap).
+    step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)
+    batch_size_limit: int | None = None       # requests per step / running at once (max_num_seqs, ...)
+
     def __init__(self, params, dep: Deployment):
         self.params = params
         self.dep = dep

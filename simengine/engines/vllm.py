@@ -75,6 +75,7 @@ class VllmEngine(EnginePolicy):
         seqs, batched = vllm_batch_defaults(dep)
         self.max_num_seqs = params.max_num_seqs or seqs
         self.max_num_batched_tokens = params.max_num_batched_tokens or batched
+        self.step_token_limit, self.batch_size_limit = self.max_num_batched_tokens, self.max_num_seqs
         super().__init__(params, dep)
         p = params
         if p.kv_cache_memory_bytes:
