@@ -39,6 +39,8 @@ def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
     """Build dataclass `cls` from `data`, rejecting unknown keys and mistyped values with the field path."""
     if isinstance(data, cls):
         return data
+    if isinstance(data, str) and hasattr(cls, "from_name"):  # e.g. an engine given by name only
+        return cls.from_name(data)
     if not isinstance(data, dict):
         raise InputError(f"expected a mapping for {cls.__name__}, got {_kind(data)}", source=source,
                          field=field or None)

@@ -49,6 +49,10 @@ class EngineEntry:
     def display(self) -> str:
         return self.label or self.engine
 
+    @classmethod
+    def from_name(cls, name: str) -> EngineEntry:
+        return cls(engine=name)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SloConfig:
@@ -92,13 +96,6 @@ def scenario_files() -> dict[str, Path]:
     return {p.stem: p for p in sorted(SCENARIOS_DIR.glob("*.yaml"))}
 
 
-def _normalise(data: dict) -> dict:
-    engines = data.get("engines")
-    if isinstance(engines, list):
-        data["engines"] = [{"engine": e} if isinstance(e, str) else e for e in engines]
-    return data
-
-
 def resolve_scenario_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
@@ -117,7 +114,7 @@ def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scen
     data = load_yaml(path)
     if not isinstance(data, dict):
         raise InputError("a scenario must be a YAML mapping", source=str(path))
-    data = _normalise(apply_overrides(_normalise(data), overrides or []))
+    data = apply_overrides(data, overrides or [])
     data.setdefault("name", path.stem)
     return from_dict(Scenario, data, source=str(path))
 

@@ -168,13 +168,16 @@ class VllmEngine(EnginePolicy):
             n = t
         return min(n, budget)
 
+    def _alone(self) -> bool:
+        return len(self.running) + self.num_waiting() == 1
+
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
         budget = self.max_num_batched_tokens
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = self._cap(req.num_new_tokens, budget, len(running) == 1)
+            n = self._cap(req.num_new_tokens, budget, self._alone())
             if n <= 0:
                 i += 1
                 continue
@@ -212,14 +215,10 @@ class VllmEngine(EnginePolicy):
             req = self._peek_waiting()
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
-            n = self._cap(num_new, budget, not self.running)
+            n = self._cap(num_new, budget, self._alone())
             # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission
+            # (max_model_len is capped to the pool, so an empty engine always admits its head)
             if not self.kv.allocate_slots(req, n, hit, reserve_tokens=req.num_tokens):
-                if not self.running and self.kv.blocks_for(req.num_tokens) > self.kv.num_blocks:
-                    self._pop_waiting()
-                    self.reject(req, "prompt needs more KV blocks than the pool holds")
-                    out.rejected.append(req)
-                    continue
                 break  # strict FCFS: head-of-line blocking, no preemption for waiting requests
             self._pop_waiting()
             req.num_computed_tokens += hit.num_tokens

@@ -1,0 +1,67 @@
+"""Shared test helpers: deployments, requests and small scenarios built in code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+from simengine.config.dtypes import kv_bytes, weight_format
+from simengine.config.hardware import load_hardware
+from simengine.config.loader import from_dict
+from simengine.config.model import load_model
+from simengine.config.scenario import Scenario
+from simengine.core.request import Request
+from simengine.engines.memory import Deployment
+
+settings.register_profile("default", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("fuzz", max_examples=1000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("default")
+
+
+def make_dep(hardware: str = "h100_sxm", model: str = "llama-3.1-8b", weight_dtype: str = "bf16",
+             kv_dtype: str = "bf16", tp: int = 1, pp: int = 1) -> Deployment:
+    return Deployment(model=load_model(model), hardware=load_hardware(hardware),
+                      weight_format=weight_format(weight_dtype), kv_dtype=kv_dtype,
+                      kv_elem_bytes=kv_bytes(kv_dtype), tp=tp, pp=pp)
+
+
+_NEXT_ID = [10_000]
+
+
+def make_request(prompt_len: int, output_len: int = 4, *, arrival_s: float = 0.0, tokens: np.ndarray | None = None,
+                 request_id: int | None = None, seed: int | None = None, **kw) -> Request:
+    if request_id is None:
+        request_id = _NEXT_ID[0]
+        _NEXT_ID[0] += 1
+    if tokens is None:
+        rng = np.random.default_rng(request_id if seed is None else seed)
+        tokens = rng.integers(0, 32000, prompt_len, dtype=np.int32)
+    tokens = np.asarray(tokens, dtype=np.int32)[:prompt_len]
+    full = np.concatenate([tokens, np.arange(output_len, dtype=np.int32) + 50_000 + request_id])
+    return Request(request_id, arrival_s, full, prompt_len, output_len, **kw)
+
+
+def make_scenario(**overrides) -> Scenario:
+    data = {
+        "name": "test", "seed": 1, "horizon_s": 20.0, "drain_s": 200.0,
+        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+        "workload": {"arrival": {"process": "poisson", "rate": 4.0},
+                     "input_tokens": {"dist": "lognormal", "mean": 600, "sigma": 0.6, "max": 4000},
+                     "output_tokens": {"dist": "lognormal", "mean": 120, "sigma": 0.6, "max": 600}},
+        "engines": ["vllm"],
+    }
+    for key, value in overrides.items():
+        node = data
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return from_dict(Scenario, data, source="test")
+
+
+@pytest.fixture
+def dep() -> Deployment:
+    return make_dep()

@@ -1,0 +1,179 @@
+"""vLLM V1 policy driven by hand, like vLLM's own scheduler tests."""
+
+import numpy as np
+import pytest
+
+from simengine.core.request import Status
+from simengine.engines.vllm import VllmEngine, VllmParams, vllm_batch_defaults, vllm_capture_sizes
+from simengine.errors import InputError
+from tests.conftest import make_dep, make_request
+
+
+def engine(**params) -> VllmEngine:
+    return VllmEngine(VllmParams(**params), make_dep())
+
+
+def run_step(eng, now=0.0, dt=0.01):
+    out = eng.schedule(now)
+    res = eng.update(out, now + dt)
+    return out, res
+
+
+def test_defaults_follow_device():
+    assert vllm_batch_defaults(make_dep("h100_sxm")) == (1024, 8192)
+    assert vllm_batch_defaults(make_dep("a100_80g_sxm")) == (256, 2048)
+    assert vllm_batch_defaults(make_dep("b200")) == (1024, 16384)
+    assert vllm_capture_sizes(1024, 8192)[:5] == (1, 2, 4, 8, 16) and max(vllm_capture_sizes(1024, 8192)) == 512
+
+
+def test_token_budget_chunks_a_long_prompt():
+    eng = engine(max_num_batched_tokens=512)
+    req = make_request(1300, 3)
+    eng.add_request(req, 0.0)
+    sizes = []
+    for i in range(3):
+        out, _ = run_step(eng, i * 0.01)
+        assert out.num_tokens <= 512
+        sizes.append(out.scheduled[0][1])
+    assert sizes == [512, 512, 276]
+    assert req.num_output_tokens == 1 and req.first_token_s > 0
+
+
+def test_running_decodes_are_scheduled_before_new_prefills():
+    eng = engine(max_num_batched_tokens=100)
+    a = make_request(50, 10)
+    eng.add_request(a, 0.0)
+    run_step(eng)  # a prefills and samples its first token
+    b = make_request(400, 5)
+    eng.add_request(b, 0.01)
+    out, _ = run_step(eng, 0.02)
+    assert out.scheduled[0] == (a, 1)      # the decode first
+    assert out.scheduled[1] == (b, 99)     # then the new prompt's chunk fills the budget
+    assert out.shape.num_decode == 1 and out.shape.prefill_chunks == [(99, 0)]
+
+
+def test_max_num_seqs_caps_running():
+    eng = engine(max_num_seqs=2)
+    reqs = [make_request(20, 5) for _ in range(4)]
+    for r in reqs:
+        eng.add_request(r, 0.0)
+    out, _ = run_step(eng)
+    assert len(out.scheduled) == 2 and eng.num_waiting() == 2
+
+
+def test_preemption_victim_is_last_admitted_and_recomputes():
+    eng = engine(kv_cache_memory_bytes=8 * 16 * 131072)  # exactly 8 blocks of 16 tokens
+    assert eng.kv.num_blocks == 8
+    a, b = make_request(48, 40), make_request(48, 40)  # 3 full blocks each at admission
+    eng.add_request(a, 0.0)
+    eng.add_request(b, 0.0)
+    now = 0.0
+    preempted = []
+    for _ in range(60):
+        out, _ = run_step(eng, now)
+        now += 0.01
+        preempted += out.preempted
+        if preempted:
+            break
+    assert preempted == [b]               # the most recently admitted request is the victim
+    assert b.status is Status.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert eng.waiting[0] is b            # prepended to waiting
+    eng.check_invariants()
+
+
+def test_no_new_admission_in_a_step_that_preempted():
+    eng = engine(kv_cache_memory_bytes=8 * 16 * 131072)
+    a, b = make_request(48, 40), make_request(48, 40)
+    eng.add_request(a, 0.0)
+    eng.add_request(b, 0.0)
+    now = 0.0
+    while True:
+        out = eng.schedule(now)
+        if out.preempted:
+            assert all(r.status is Status.RUNNING for r, _ in out.scheduled)
+            assert b not in [r for r, _ in out.scheduled]
+            break
+        eng.update(out, now + 0.01)
+        now += 0.01
+
+
+def test_prefix_hit_skips_computation_and_is_capped():
+    eng = engine()
+    shared = np.arange(160, dtype=np.int32)
+    a = make_request(160, 2, tokens=shared)
+    eng.add_request(a, 0.0)
+    run_step(eng)
+    b = make_request(160, 2, tokens=shared)
+    eng.add_request(b, 0.01)
+    out, _ = run_step(eng, 0.02)
+    entry = dict((r.request_id, n) for r, n in out.scheduled)
+    assert b.num_cached_tokens == 144       # 9 of 10 full blocks: at least one token is recomputed
+    assert entry[b.request_id] == 16
+    assert eng.prefix_hit_rate() > 0
+
+
+def test_prefix_caching_off_computes_everything():
+    eng = engine(enable_prefix_caching=False)
+    shared = np.arange(160, dtype=np.int32)
+    for _ in range(2):
+        eng.add_request(make_request(160, 2, tokens=shared), 0.0)
+    out, _ = run_step(eng)
+    assert out.num_tokens == 320
+
+
+def test_admission_requires_the_whole_prompt_to_fit():
+    eng = engine(kv_cache_memory_bytes=8 * 16 * 131072, max_num_batched_tokens=200, long_prefill_token_threshold=32)
+    assert eng.max_model_len == 128  # capped to the pool, as if --max-model-len had been set to fit
+    first, second = make_request(100, 2), make_request(60, 2)  # 7 blocks, then 4 blocks: 11 > 8
+    eng.add_request(first, 0.0)
+    eng.add_request(second, 0.0)
+    out, _ = run_step(eng)
+    # only 32 tokens of `first` run, but its whole prompt's 7 blocks were reserved: `second` (4 blocks) must wait
+    # although 168 tokens of budget are left
+    assert [r for r, _ in out.scheduled] == [first] and eng.kv.num_blocks_of(first) == 7
+    assert eng.num_waiting() == 1
+
+
+def test_prompt_longer_than_max_model_len_is_rejected():
+    eng = engine(max_model_len=1000)
+    r = make_request(1000, 2)
+    assert not eng.add_request(r, 0.0)
+    assert r.status is Status.FAILED and "max_model_len" in r.fail_reason
+
+
+def test_priority_policy_serves_lower_value_first_and_preempts_worst():
+    eng = engine(scheduling_policy="priority", max_num_seqs=1)
+    low, high = make_request(20, 2, priority=5), make_request(20, 2, priority=0)
+    eng.add_request(low, 0.0)
+    eng.add_request(high, 0.1)
+    out, _ = run_step(eng)
+    assert [r for r, _ in out.scheduled] == [high]
+
+
+def test_long_prefill_threshold_caps_chunks_when_others_run():
+    eng = engine(long_prefill_token_threshold=64)
+    eng.add_request(make_request(300, 3), 0.0)
+    eng.add_request(make_request(300, 3), 0.0)
+    out, _ = run_step(eng)
+    assert [n for _, n in out.scheduled] == [64, 64]
+
+
+def test_cuda_graph_padding_in_shape():
+    eng = engine()
+    for _ in range(3):
+        eng.add_request(make_request(20, 5), 0.0)
+    run_step(eng)
+    out, _ = run_step(eng, 0.02)
+    assert out.shape.num_decode == 3 and out.shape.cuda_graph and out.shape.padded_decode == 4
+
+
+def test_bad_params_are_input_errors():
+    with pytest.raises(InputError, match="gpu_memory_utilization"):
+        VllmParams(gpu_memory_utilization=1.5)
+    with pytest.raises(InputError, match="max_num_seqs"):
+        VllmParams(max_num_seqs=-1)
+
+
+def test_model_that_does_not_fit_is_refused_with_numbers():
+    with pytest.raises(InputError, match=r"does not fit on h100_sxm.*GiB.*tp=2"):
+        VllmEngine(VllmParams(), make_dep(model="llama-3.1-70b"))

@@ -1,0 +1,93 @@
+"""BlockPool and KVCacheManager: ref counts, LRU free queue, hashed prefix hits, capacity."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from simengine.kvcache.block_pool import BlockPool
+from simengine.kvcache.manager import KVCacheManager
+from tests.conftest import make_request
+
+
+def test_allocate_and_free_restore_the_pool():
+    pool = BlockPool(8, enable_caching=True)
+    a = pool.allocate(3)
+    assert pool.num_free == 5 and all(pool.ref_cnt[b] == 1 for b in a)
+    pool.free(a)
+    assert pool.num_free == 8
+    pool.check_invariants()
+
+
+def test_freed_blocks_join_lru_tail_in_reverse_so_chain_tail_is_evicted_first():
+    pool = BlockPool(4, enable_caching=True)
+    a = pool.allocate(4)
+    pool.free(a)  # appended reversed: a[3], a[2], a[1], a[0]
+    assert list(pool.free_queue) == [a[3], a[2], a[1], a[0]]
+
+
+def test_prefix_hit_shares_blocks_and_caps_at_one_token_short():
+    kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=True)
+    tokens = np.arange(64, dtype=np.int32)
+    r1 = make_request(64, tokens=tokens)
+    assert kv.allocate_slots(r1, 64)
+    r1.num_computed_tokens = 64
+    r2 = make_request(64, tokens=tokens)
+    hit = kv.get_computed_blocks(r2)
+    # 64 tokens = 4 full blocks, but the hit is capped at num_tokens - 1 -> 3 blocks
+    assert hit.num_tokens == 48 and hit.blocks == kv.req_blocks[r1.request_id][:3]
+    assert kv.allocate_slots(r2, 16, hit)
+    assert all(kv.pool.ref_cnt[b] == 2 for b in hit.blocks)
+    kv.free(r1)
+    kv.free(r2)
+    kv.pool.check_invariants()
+    assert kv.pool.num_free == 64
+
+
+def test_cached_block_survives_free_until_evicted_by_allocation():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    tokens = np.arange(9, dtype=np.int32)
+    r1 = make_request(9, tokens=tokens)
+    assert kv.allocate_slots(r1, 9)
+    kv.free(r1)
+    r2 = make_request(9, tokens=tokens)
+    assert kv.get_computed_blocks(r2).num_tokens == 8  # both full blocks still cached
+    # allocating every block evicts the cached content
+    other = make_request(16, seed=3)
+    assert kv.allocate_slots(other, 16)
+    assert kv.get_computed_blocks(make_request(9, tokens=tokens)).num_tokens == 0
+
+
+def test_no_hits_when_prefix_caching_disabled():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    t = np.arange(20, dtype=np.int32)
+    r1 = make_request(20, tokens=t)
+    assert kv.allocate_slots(r1, 20)
+    assert kv.get_computed_blocks(make_request(20, tokens=t)).num_tokens == 0
+
+
+def test_allocation_fails_cleanly_when_short():
+    kv = KVCacheManager(num_blocks=4, block_size=16, enable_prefix_caching=True)
+    r = make_request(100)
+    assert not kv.allocate_slots(r, 100)
+    assert kv.pool.num_free == 4 and r.request_id not in kv.req_blocks
+
+
+@given(st.lists(st.tuples(st.integers(1, 200), st.booleans()), min_size=1, max_size=40))
+def test_random_alloc_free_keeps_invariants(ops):
+    kv = KVCacheManager(num_blocks=48, block_size=16, enable_prefix_caching=True)
+    live = []
+    base = np.arange(400, dtype=np.int32)
+    for i, (n, shared) in enumerate(ops):
+        r = make_request(n, tokens=base if shared else None, request_id=i)
+        hit = kv.get_computed_blocks(r)
+        if kv.allocate_slots(r, n - hit.num_tokens, hit):
+            r.num_computed_tokens = n
+            live.append(r)
+        elif live:
+            kv.free(live.pop(0))
+        kv.pool.check_invariants()
+        assert kv.pool.num_used <= kv.num_blocks
+    for r in live:
+        kv.free(r)
+    kv.pool.check_invariants()
+    assert kv.pool.num_free == kv.num_blocks

@@ -1,0 +1,115 @@
+"""End-to-end simulator properties: conservation, determinism, invariants, sessions, queueing theory."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from simengine.api import run_engine
+from simengine.config.scenario import EngineEntry
+from simengine.sim.runner import Runner
+from tests.conftest import make_scenario
+
+
+def test_conservation_and_invariants_every_step():
+    sc = make_scenario()
+    r = run_engine(sc, sc.engines[0], check_invariants=True)
+    s = r.summary
+    assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"] > 50
+    assert r.requests["request_id"].is_unique
+    steps = r.steps
+    assert (steps["prefill_tokens"] + steps["decode_tokens"] <= 8192).all()
+    assert (steps["num_running"] <= 1024).all() and (steps["kv_usage"] <= 1.0).all()
+    done = r.requests[r.requests["status"] == "completed"]
+    assert (done["first_token_s"] >= done["arrival_s"]).all()
+    assert (done["finish_s"] >= done["first_token_s"]).all()
+    assert (done["ttft_ms"] <= done["e2el_ms"]).all()
+    assert (done["num_output_tokens"] == done["output_len"]).all()
+
+
+def test_everything_is_freed_at_the_end():
+    sc = make_scenario()
+    runner = Runner(sc, sc.engines[0])
+    runner.run()
+    eng = runner.engines[0]
+    assert eng.num_running() == 0 and eng.num_waiting() == 0
+    assert eng.kv.pool.num_free == eng.kv.num_blocks
+    eng.kv.pool.check_invariants()
+
+
+def test_same_seed_identical_different_seed_differs():
+    a = run_engine(make_scenario(), EngineEntry(engine="vllm")).summary
+    b = run_engine(make_scenario(), EngineEntry(engine="vllm")).summary
+    c = run_engine(make_scenario(seed=2), EngineEntry(engine="vllm")).summary
+    assert json.dumps(a) == json.dumps(b)
+    assert json.dumps(a) != json.dumps(c)
+
+
+def test_identical_files_across_processes(tmp_path):
+    outs = []
+    for i in range(2):
+        d = tmp_path / f"run{i}"
+        subprocess.run([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--out", str(d),
+                        "--no-plots", "--set", "horizon_s=20", "--set", "workload.sessions.population=8"],
+                       check=True, capture_output=True)
+        outs.append(d / "agent_multiturn")
+    for label in ("vllm", "vllm-no-prefix-cache"):
+        for f in ("summary.json", "requests.csv", "steps.csv"):
+            assert (outs[0] / label / f).read_bytes() == (outs[1] / label / f).read_bytes(), f
+
+
+def test_overload_leaves_backlog_unfinished_and_flags_it():
+    sc = make_scenario(workload__arrival={"process": "poisson", "rate": 200.0}, horizon_s=10.0, drain_s=5.0)
+    s = run_engine(sc, sc.engines[0]).summary
+    assert s["unfinished"] > 0 and s["overloaded"] is True
+    assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"]
+
+
+def test_sessions_grow_context_and_hit_the_prefix_cache():
+    sc = make_scenario(workload__sessions={"population": 6, "turns": {"dist": "constant", "value": 4},
+                                           "think_time_s": {"dist": "constant", "value": 1.0},
+                                           "user_tokens": {"dist": "constant", "value": 100}},
+                       workload__shared_prefix_tokens=1000,
+                       workload__output_tokens={"dist": "constant", "value": 50}, horizon_s=30.0)
+    r = run_engine(sc, sc.engines[0])
+    req = r.requests.sort_values(["session_id", "turn"])
+    first = req[req["turn"] == 0]
+    assert (first["prompt_len"] == 1100).all()
+    for _, g in req.groupby("session_id"):
+        lens = g["prompt_len"].to_numpy()
+        assert (np.diff(lens) == 150).all()  # + previous output (50) + new user tokens (100)
+        # each next turn arrives after the previous finished plus the think time
+        gaps = g["arrival_s"].to_numpy()[1:] - g["finish_s"].to_numpy()[:-1]
+        assert np.allclose(gaps, 1.0)
+    later = req[req["turn"] > 0]
+    assert (later["num_cached_tokens"] >= later["prompt_len"] - 150 - 16).all()
+    assert r.summary["prefix_cache_hit_rate"] > 0.5
+
+
+@pytest.mark.parametrize("rho", [0.6])
+def test_md1_mean_wait_matches_theory(rho):
+    """Batch size 1 and identical requests: a deterministic server, so Pollaczek-Khinchine gives
+    W = rho * S / (2 (1 - rho)) for Poisson arrivals."""
+    base = make_scenario(workload__input_tokens={"dist": "constant", "value": 32},
+                         workload__output_tokens={"dist": "constant", "value": 4},
+                         engines=[{"engine": "vllm", "params": {"max_num_seqs": 1, "enable_prefix_caching": False}}])
+    probe = run_engine(make_scenario(**{**_md1(base), "workload__num_requests": 3,
+                                        "workload__arrival": {"process": "constant", "rate": 1.0}}),
+                       base.engines[0]).requests
+    service_s = float((probe["finish_s"] - probe["first_scheduled_s"]).iloc[0])
+    rate = rho / service_s
+    n = 40000
+    sc = make_scenario(**{**_md1(base), "workload__num_requests": n, "horizon_s": 1e9,
+                          "workload__arrival": {"process": "poisson", "rate": rate}})
+    req = run_engine(sc, base.engines[0]).requests
+    wait = (req["first_scheduled_s"] - req["arrival_s"]).to_numpy()
+    theory = rho * service_s / (2 * (1 - rho))
+    assert np.mean(wait) == pytest.approx(theory, rel=0.05)
+
+
+def _md1(base):
+    return {"workload__input_tokens": {"dist": "constant", "value": 32},
+            "workload__output_tokens": {"dist": "constant", "value": 4},
+            "engines": [{"engine": "vllm", "params": {"max_num_seqs": 1, "enable_prefix_caching": False}}]}
