@@ -49,7 +49,7 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                         num_devices=dep.num_devices * scenario.deployment.replicas,
                         price_usd_per_hour=dep.hardware.price_usd_per_hour,
                         prefix_hit_rate=float(np.mean(hits)) if hits else 0.0, horizon_s=scenario.horizon_s,
-                        replicas=scenario.deployment.replicas)
+                        replicas=scenario.deployment.replicas, classes=scenario.workload.classes)
     summary = {"engine": entry.engine, "label": entry.display, **summary,
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens()}
     return EngineResult(entry.display, summary, req, steps, itl, counts, time.perf_counter() - t0,

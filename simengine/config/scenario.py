@@ -9,8 +9,9 @@ from typing import Any
 
 from simengine.config.hardware import REPO_ROOT
 from simengine.config.loader import apply_overrides, from_dict, load_yaml
+from simengine.config.slo import SloConfig
 from simengine.errors import InputError, unknown_name
-from simengine.workload.generator import WorkloadConfig
+from simengine.workload.config import WorkloadConfig
 
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
 
@@ -52,15 +53,6 @@ class EngineEntry:
     @classmethod
     def from_name(cls, name: str) -> EngineEntry:
         return cls(engine=name)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SloConfig:
-    """Service-level objectives for goodput (a request is good if it meets every one given)."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

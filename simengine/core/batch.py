@@ -17,6 +17,7 @@ class BatchShape:
     num_logits: int = 0                 # tokens that produce logits (decodes + prompts finishing this step)
     padded_decode: int = 0              # decode batch after CUDA-graph padding (>= num_decode)
     cuda_graph: bool = False            # whole step replayed from a captured graph
+    num_structured: int = 0             # requests sampling under a grammar mask this step
 
     @property
     def num_prefill_tokens(self) -> int:

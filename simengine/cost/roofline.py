@@ -32,8 +32,9 @@ class RooflineCost:
     """Step time for one replica of `model` on `tp` x `pp` devices of `hw`."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
-                 tp: int = 1, pp: int = 1, timing: EngineTiming):
+                 tp: int = 1, pp: int = 1, timing: EngineTiming, grammar_mask_s: float = 0.0):
         self.model, self.hw, self.timing = model, hw, timing
+        self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
         self.tp, self.pp = tp, pp
         compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)
         attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops else compute_dtype)
@@ -117,5 +118,5 @@ class RooflineCost:
             # eager: the host enqueues kernels ahead of the GPU; the step lasts the longer of the two
             launch = self.launch_s
             gpu_total = max(gpu_s, launch)
-        overhead_s = (gpu_total - gpu_s) + t.exposed_host_s(gpu_total)
+        overhead_s = (gpu_total - gpu_s) + t.exposed_host_s(gpu_total, shape.num_structured * self.grammar_mask_s)
         return StepCost(gpu_s + overhead_s, compute_s, memory_s, comm_s, overhead_s)

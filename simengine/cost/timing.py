@@ -33,9 +33,10 @@ class EngineTiming:
             return (True, sizes[i]) if i < len(sizes) else (False, num_decode)
         return (num_decode in _as_set(sizes)), num_decode
 
-    def exposed_host_s(self, gpu_s: float) -> float:
-        """Host time added to the step: all of it for a synchronous loop, only the excess when overlapped."""
-        cpu = self.scheduler_cpu_s + self.output_cpu_s
+    def exposed_host_s(self, gpu_s: float, extra_cpu_s: float = 0.0) -> float:
+        """Host time added to the step: all of it for a synchronous loop, only the excess when overlapped.
+        `extra_cpu_s` is per-step host work such as grammar masks (overlapped with the forward the same way)."""
+        cpu = self.scheduler_cpu_s + self.output_cpu_s + extra_cpu_s
         return max(0.0, cpu - gpu_s) if self.overlap else cpu
 
 

@@ -135,8 +135,9 @@ class EnginePolicy(ABC):
         """The batch shape of a step, with CUDA-graph coverage decided by the engine's timing terms."""
         shape = BatchShape()
         chunks = shape.prefill_chunks
-        num_decode = ctx = logits = 0
+        num_decode = ctx = logits = structured = 0
         for req, n in scheduled:
+            structured += req.structured
             total = req.prompt_len + req.num_output_tokens
             if n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == total - 1:
                 num_decode += 1
@@ -147,6 +148,7 @@ class EnginePolicy(ABC):
                 if req.num_computed_tokens + n >= total:
                     logits += 1
         shape.num_decode, shape.decode_context_tokens, shape.num_logits = num_decode, ctx, logits
+        shape.num_structured = structured
         shape.cuda_graph, shape.padded_decode = self.timing.graph_for(num_decode, not chunks)
         return shape
 

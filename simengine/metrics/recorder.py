@@ -7,7 +7,7 @@ from simengine.core.request import Request, Status
 REQUEST_COLUMNS = (
     "request_id", "replica", "session_id", "turn", "priority", "arrival_s", "first_scheduled_s",
     "first_token_s", "finish_s", "prompt_len", "output_len", "num_output_tokens", "num_cached_tokens",
-    "num_preemptions", "status", "fail_reason",
+    "num_preemptions", "status", "fail_reason", "slo_class", "structured",
 )
 STEP_COLUMNS = (
     "replica", "start_s", "end_s", "batch_size", "prefill_tokens", "decode_tokens", "num_running",
@@ -30,7 +30,8 @@ class Recorder:
         self.requests.append((
             req.request_id, replica, req.session_id, req.turn, req.priority, req.arrival_s,
             req.first_scheduled_s, req.first_token_s, req.finish_s, req.prompt_len, req.output_len,
-            req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason))
+            req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason,
+            req.slo_class, int(req.structured)))
 
     def finished(self, req: Request, replica: int) -> None:
         self.request(req, replica, "completed" if req.status is Status.FINISHED else "failed")

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from simengine.config.scenario import SloConfig
+from simengine.config.slo import SloConfig
 
 PERCENTILES = (50, 90, 99)
 
@@ -49,9 +49,34 @@ def weighted_stats(prefix: str, values: np.ndarray, weights: np.ndarray) -> dict
     return out
 
 
+def meets_slo(done: pd.DataFrame, slo: SloConfig) -> np.ndarray:
+    """Per completed request: does it meet every objective given."""
+    good = np.ones(len(done), dtype=bool)
+    if slo.ttft_ms is not None:
+        good &= done["ttft_ms"].to_numpy() <= slo.ttft_ms
+    if slo.tpot_ms is not None:
+        good &= np.nan_to_num(done["tpot_ms"].to_numpy(), nan=0.0) <= slo.tpot_ms
+    if slo.e2el_ms is not None:
+        good &= done["e2el_ms"].to_numpy() <= slo.e2el_ms
+    return good
+
+
+def class_summary(requests: pd.DataFrame, slo: SloConfig, duration: float) -> dict:
+    """Per request class: counts, latency percentiles and goodput against the class's own SLOs."""
+    done = requests[requests["status"] == "completed"]
+    out = {"num_requests": len(requests), "completed": len(done),
+           "request_goodput": float(meets_slo(done, slo).sum()) / duration if slo.any else None,
+           "slo_attainment": float(meets_slo(done, slo).mean()) if slo.any and len(done) else None}
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
+        stat, metric = key.split("_", 1)
+        v = done[metric].dropna()
+        out[key] = (float(np.percentile(v, 50 if stat == "median" else 99)) if len(v) else None)
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, itl_ms: np.ndarray, itl_counts: np.ndarray, *,
               slo: SloConfig, end_s: float, num_devices: int, price_usd_per_hour: float | None,
-              prefix_hit_rate: float, horizon_s: float, replicas: int = 1) -> dict:
+              prefix_hit_rate: float, horizon_s: float, replicas: int = 1, classes=()) -> dict:
     """The summary dict for one engine run. No wall-clock values (same seed -> identical file)."""
     done = requests[requests["status"] == "completed"]
     n_failed = int((requests["status"] == "failed").sum())
@@ -62,14 +87,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, itl_ms: np.ndarray, i
     duration = max(duration, 1e-9)
     out_tokens = int(done["num_output_tokens"].sum())
     in_tokens = int(done["prompt_len"].sum())
-    good = np.ones(len(done), dtype=bool)
-    if slo.ttft_ms is not None:
-        good &= done["ttft_ms"].to_numpy() <= slo.ttft_ms
-    if slo.tpot_ms is not None:
-        good &= np.nan_to_num(done["tpot_ms"].to_numpy(), nan=0.0) <= slo.tpot_ms
-    if slo.e2el_ms is not None:
-        good &= done["e2el_ms"].to_numpy() <= slo.e2el_ms
-    has_slo = any(x is not None for x in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms))
+    good = meets_slo(done, slo)
+    has_slo = slo.any
     busy = steps["step_s"].sum() if len(steps) else 0.0
     kv_mean = float(np.average(steps["kv_usage"], weights=steps["step_s"])) if busy > 0 else 0.0
     cost = None
@@ -104,4 +123,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, itl_ms: np.ndarray, i
         "busy_fraction": float(busy / (duration * replicas)),
         "cost_per_1m_output_tokens_usd": cost,
     }
+    if classes:
+        summary["classes"] = {c.name: class_summary(requests[requests["slo_class"] == c.name], c.slo, duration)
+                              for c in classes}
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in summary.items()}

@@ -75,13 +75,16 @@ class Runner:
         self.dep = build_deployment(scenario)
         self.env = simpy.Environment()
         self.recorder = Recorder()
-        self.factory = RequestFactory(scenario.workload, scenario.seed, self.dep.model.vocab_size)
+        wl = scenario.workload
+        self.factory = RequestFactory(wl, scenario.seed, self.dep.model.vocab_size, self.dep.model.max_model_len)
+        self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
         self.replicas = [
             Replica(self.env, i, eng, RooflineCost(self.dep.model, self.dep.hardware,
                                                    weight_format=self.dep.weight_format,
                                                    kv_elem_bytes=self.dep.kv_elem_bytes, tp=self.dep.tp,
-                                                   pp=self.dep.pp, timing=eng.timing),
+                                                   pp=self.dep.pp, timing=eng.timing,
+                                                   grammar_mask_s=wl.structured_output.mask_s),
                     self.recorder, self._on_done, check_invariants=check_invariants)
             for i, eng in enumerate(self.engines)]
         self.live: dict[int, Request] = {}
@@ -94,6 +97,18 @@ class Runner:
     def submit(self, req: Request) -> None:
         self.recorder.arrived += 1
         self.live[req.request_id] = req
+        if req.structured and self.compile_s:
+            # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
+            # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
+            self.env.process(self._submit_after(req, self.compile_s))
+            return
+        self._route(req)
+
+    def _submit_after(self, req: Request, delay_s: float):
+        yield self.env.timeout(delay_s)
+        self._route(req)
+
+    def _route(self, req: Request) -> None:
         if self.scenario.deployment.router == "round_robin":
             replica = self.replicas[self._rr % len(self.replicas)]
             self._rr += 1
@@ -125,7 +140,7 @@ class Runner:
     def _closed_loop_user(self):
         env, horizon, cap = self.env, self.scenario.horizon_s, self.scenario.workload.num_requests
         while env.now <= horizon and (cap is None or self.factory.next_id < cap):
-            req = self.factory.closed_loop_request(env.now)
+            req = self.factory.plain_request(env.now)
             yield from self._send_and_wait(req)
         self._close_source()
 
@@ -138,6 +153,18 @@ class Runner:
                 yield env.timeout(plan.start_offset_s)
             yield from self._run_session(plan)
             index += stride
+        self._close_source()
+
+    def _open_sessions(self):
+        env = self.env
+        for index, t in enumerate(self.factory.session_start_times(self.scenario.horizon_s)):
+            yield env.timeout(t - env.now)
+            self.sources_open += 1
+            env.process(self._one_session(self.factory.session(index)))
+        self._close_source()
+
+    def _one_session(self, plan: SessionPlan):
+        yield from self._run_session(plan)
         self._close_source()
 
     def _run_session(self, plan: SessionPlan):
@@ -169,7 +196,10 @@ class Runner:
 
     def start_sources(self) -> None:
         wl = self.scenario.workload
-        if wl.sessions is not None:
+        if wl.sessions is not None and wl.sessions.arrival_rate is not None:
+            self.sources_open = 1
+            self.env.process(self._open_sessions())
+        elif wl.sessions is not None:
             n = wl.sessions.population
             self.sources_open = n
             for i in range(n):

@@ -1,4 +1,4 @@
-"""Open-loop arrival times: Poisson, Gamma with vLLM's burstiness, constant, offline (all at t=0)."""
+"""Open-loop arrival times: Poisson, Gamma with vLLM's burstiness, constant, offline, and ramp / diurnal curves."""
 
 from __future__ import annotations
 
@@ -16,34 +16,76 @@ class ArrivalConfig:
     """How requests arrive.
 
     poisson: exponential gaps at `rate` req/s. gamma: gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness))
-    exactly as vLLM `bench serve --burstiness` (1 = Poisson, < 1 burstier, > 1 smoother). constant: 1/rate
-    gaps. offline: every request at t=0. closed_loop: `concurrency` users, each sends its next request when
-    the previous one finishes (vLLM --max-concurrency with --request-rate inf).
+    exactly as vLLM `bench serve --burstiness` (1 = Poisson, < 1 burstier, > 1 smoother). constant: 1/rate gaps.
+    offline: every request at t=0. closed_loop: `concurrency` users, each sends its next request when the previous
+    one finishes (vLLM --max-concurrency with --request-rate inf). ramp: a Poisson process whose rate moves
+    linearly from `ramp_start_rate` to `rate` over `ramp_duration_s` (vLLM --ramp-up-strategy linear), then stays.
+    diurnal: a Poisson process with rate(t) = rate * (1 + amplitude * sin(2 pi t / period_s)).
     """
 
-    process: Literal["poisson", "gamma", "constant", "offline", "closed_loop"] = "poisson"
-    rate: float | None = None          # requests per second
+    process: Literal["poisson", "gamma", "constant", "offline", "closed_loop", "ramp", "diurnal"] = "poisson"
+    rate: float | None = None          # requests per second (the end rate of a ramp, the mean of a diurnal curve)
     burstiness: float = 1.0
     concurrency: int | None = None     # closed_loop users
+    ramp_start_rate: float = 0.0
+    ramp_duration_s: float = 60.0
+    amplitude: float = 0.5             # diurnal: relative swing, in [0, 1]
+    period_s: float = 86400.0
 
     def __post_init__(self):
-        if self.process in ("poisson", "gamma", "constant"):
+        if self.process in ("poisson", "gamma", "constant", "ramp", "diurnal"):
             if self.rate is None or not math.isfinite(self.rate) or self.rate <= 0:
                 raise InputError(f"{self.process} arrivals need rate > 0 (requests per second), got {self.rate}",
-                                 field="rate")
-        if self.burstiness <= 0 or not math.isfinite(self.burstiness):
-            raise InputError(f"must be > 0, got {self.burstiness}", field="burstiness")
+                                 field="workload.arrival.rate")
+            if self.rate > 1e6:
+                raise InputError(f"{self.rate} requests/s is beyond any real deployment; use <= 1e6 or "
+                                 "process: offline", field="workload.arrival.rate")
+        checks = {"burstiness": self.burstiness, "ramp_duration_s": self.ramp_duration_s, "period_s": self.period_s}
+        for k, v in checks.items():
+            if not math.isfinite(v) or v <= 0:
+                raise InputError(f"must be > 0, got {v}", field=f"workload.arrival.{k}")
+        if not 0 <= self.amplitude <= 1:
+            raise InputError(f"must be in [0, 1], got {self.amplitude}", field="workload.arrival.amplitude")
+        if self.ramp_start_rate < 0 or not math.isfinite(self.ramp_start_rate):
+            raise InputError(f"must be >= 0, got {self.ramp_start_rate}", field="workload.arrival.ramp_start_rate")
         if self.process == "closed_loop" and (self.concurrency is None or self.concurrency < 1):
-            raise InputError("closed_loop arrivals need concurrency >= 1", field="concurrency")
+            raise InputError("closed_loop arrivals need concurrency >= 1", field="workload.arrival.concurrency")
+
+    def rate_at(self, t: float) -> float:
+        """Instantaneous rate (req/s) of the time-varying processes."""
+        if self.process == "ramp":
+            if t >= self.ramp_duration_s:
+                return self.rate
+            return self.ramp_start_rate + (self.rate - self.ramp_start_rate) * t / self.ramp_duration_s
+        if self.process == "diurnal":
+            return self.rate * (1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period_s))
+        return self.rate or 0.0
 
 
-def arrival_gaps(cfg: ArrivalConfig, rng: np.random.Generator, n: int) -> np.ndarray:
-    """n inter-arrival gaps in seconds (the first request arrives after the first gap)."""
-    if cfg.process == "offline" or cfg.process == "closed_loop":
-        return np.zeros(n)
+def arrival_times(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
+    """The next n arrival times after `start_s` (non-decreasing)."""
+    if cfg.process in ("offline", "closed_loop"):
+        return np.full(n, start_s)
     if cfg.process == "constant":
-        return np.full(n, 1.0 / cfg.rate)
+        return start_s + np.arange(1, n + 1) / cfg.rate
     if cfg.process == "poisson":
-        return rng.exponential(1.0 / cfg.rate, n)
-    b = cfg.burstiness
-    return rng.gamma(shape=b, scale=1.0 / (cfg.rate * b), size=n)
+        return start_s + np.cumsum(rng.exponential(1.0 / cfg.rate, n))
+    if cfg.process == "gamma":
+        b = cfg.burstiness
+        return start_s + np.cumsum(rng.gamma(shape=b, scale=1.0 / (cfg.rate * b), size=n))
+    return _thinned(cfg, rng, n, start_s)
+
+
+def _thinned(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
+    """Non-homogeneous Poisson by thinning (Lewis and Shedler 1979) against the curve's maximum rate."""
+    peak = max(cfg.rate, cfg.ramp_start_rate) if cfg.process == "ramp" else cfg.rate * (1 + cfg.amplitude)
+    out = np.empty(n)
+    t, k = start_s, 0
+    while k < n:
+        cand = t + np.cumsum(rng.exponential(1.0 / peak, 2 * (n - k) + 16))
+        keep = rng.uniform(0, peak, len(cand)) < np.fromiter((cfg.rate_at(x) for x in cand), float, len(cand))
+        got = cand[keep][: n - k]
+        out[k:k + len(got)] = got
+        k += len(got)
+        t = cand[-1]
+    return out

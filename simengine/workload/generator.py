@@ -7,73 +7,52 @@ request stream; a session's content depends only on its index, never on timing.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from simengine.config.hardware import REPO_ROOT
 from simengine.core.request import Request
 from simengine.errors import InputError
-from simengine.workload.arrivals import ArrivalConfig, arrival_gaps
-from simengine.workload.distributions import Dist
+from simengine.workload.arrivals import arrival_times
+from simengine.workload.config import RequestClass, TraceConfig, WorkloadConfig
 
-STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_TOKENS, STREAM_PREFIX, STREAM_SESSIONS = range(5)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionConfig:
-    """Closed-loop multi-turn sessions (chat or agent): each turn's prompt is the whole conversation so far."""
-
-    population: int                       # sessions alive at once; a finished session is replaced until the horizon
-    turns: Dist = field(default_factory=lambda: Dist(dist="uniform", low=3, high=8))
-    think_time_s: Dist = field(default_factory=lambda: Dist(dist="lognormal", mean=4.0, sigma=0.6))
-    user_tokens: Dist = field(default_factory=lambda: Dist(dist="lognormal", mean=180, sigma=0.7))
-    start_spread_s: float = 10.0          # first turns start uniformly over [0, start_spread_s]
-
-    def __post_init__(self):
-        if self.population < 1:
-            raise InputError(f"must be >= 1, got {self.population}", field="population")
-        if self.start_spread_s < 0:
-            raise InputError(f"must be >= 0, got {self.start_spread_s}", field="start_spread_s")
+STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_TOKENS, STREAM_PREFIX, STREAM_SESSIONS, STREAM_TRACE = range(6)
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkloadConfig:
-    """Requests: open-loop arrivals (or closed-loop users), length distributions, shared prefix, sessions."""
+@dataclass
+class SessionPlan:
+    """A session's deterministic random stream and progress."""
 
-    arrival: ArrivalConfig = field(default_factory=lambda: ArrivalConfig(process="poisson", rate=1.0))
-    num_requests: int | None = None       # open loop: stop after this many (else at the horizon)
-    input_tokens: Dist = field(default_factory=lambda: Dist(dist="lognormal", mean=1000, sigma=0.6, max=8000))
-    output_tokens: Dist = field(default_factory=lambda: Dist(dist="lognormal", mean=250, sigma=0.7, max=2048))
-    shared_prefix_tokens: int = 0         # identical system prompt (+ tool definitions) at the head of prompts
-    client_max_tokens: int | None = None  # max_tokens the client sends; None = exactly the output length
-    sessions: SessionConfig | None = None
-
-    def __post_init__(self):
-        if self.num_requests is not None and self.num_requests < 1:
-            raise InputError(f"must be >= 1, got {self.num_requests}", field="num_requests")
-        if self.shared_prefix_tokens < 0:
-            raise InputError(f"must be >= 0, got {self.shared_prefix_tokens}", field="shared_prefix_tokens")
-        if self.client_max_tokens is not None and self.client_max_tokens < 1:
-            raise InputError(f"must be >= 1, got {self.client_max_tokens}", field="client_max_tokens")
+    index: int
+    rng: np.random.Generator
+    turns: int
+    start_offset_s: float
+    klass: RequestClass | None
+    turn: int = 0
 
 
 class RequestFactory:
     """Builds Requests with deterministic token content from the scenario seed."""
 
-    def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int):
+    def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int, max_model_len: int):
         self.cfg = cfg
-        self.seed = seed
         self.vocab = vocab_size
-        root = np.random.SeedSequence(seed)
-        children = root.spawn(5)
+        self.max_model_len = max_model_len
+        children = np.random.SeedSequence(seed).spawn(6)
         self.rng_arrivals = np.random.default_rng(children[STREAM_ARRIVALS])
         self.rng_lengths = np.random.default_rng(children[STREAM_LENGTHS])
         self.rng_tokens = np.random.default_rng(children[STREAM_TOKENS])
         self.prefix = np.random.default_rng(children[STREAM_PREFIX]).integers(
             0, vocab_size, cfg.shared_prefix_tokens, dtype=np.int32)
-        self._session_seq = children[STREAM_SESSIONS]
+        self._session_entropy = children[STREAM_SESSIONS].entropy
+        self._trace_rng = np.random.default_rng(children[STREAM_TRACE])
+        weights = np.array([c.weight for c in cfg.classes], dtype=float)
+        self._class_p = weights / weights.sum() if len(weights) else None
         self.next_id = 0
 
+    # ---- pieces ---------------------------------------------------------------------------------------
     def new_id(self) -> int:
         rid = self.next_id
         self.next_id += 1
@@ -82,74 +61,136 @@ class RequestFactory:
     def tokens(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return rng.integers(0, self.vocab, n, dtype=np.int32)
 
-    def output_len(self, rng: np.random.Generator) -> tuple[int, int | None]:
-        out = int(self.cfg.output_tokens.sample_int(rng))
+    def pick_class(self, rng: np.random.Generator) -> RequestClass | None:
+        if self._class_p is None:
+            return None
+        return self.cfg.classes[int(rng.choice(len(self._class_p), p=self._class_p))]
+
+    def lengths(self, rng: np.random.Generator, klass: RequestClass | None) -> tuple[int, int, int | None]:
+        """(input tokens, output tokens, client max_tokens) for one request."""
+        ins = (klass.input_tokens if klass and klass.input_tokens else self.cfg.input_tokens)
+        outs = (klass.output_tokens if klass and klass.output_tokens else self.cfg.output_tokens)
+        n_in = int(ins.sample_int(rng))
+        n_out = int(outs.sample_int(rng))
         cap = self.cfg.client_max_tokens
-        return (min(out, cap), cap) if cap else (out, None)
+        return n_in, (min(n_out, cap) if cap else n_out), cap
 
     def make(self, arrival_s: float, prompt: np.ndarray, output_len: int, max_tokens: int | None,
-             rng: np.random.Generator, **kw) -> Request:
+             rng: np.random.Generator, klass: RequestClass | None, **kw) -> Request:
         token_ids = np.concatenate([prompt, self.tokens(rng, output_len)])
-        return Request(self.new_id(), arrival_s, token_ids, len(prompt), output_len, max_tokens=max_tokens, **kw)
+        structured = bool(self.cfg.structured_output.fraction
+                          and rng.uniform() < self.cfg.structured_output.fraction)
+        return Request(self.new_id(), arrival_s, token_ids, len(prompt), output_len, max_tokens=max_tokens,
+                       priority=klass.priority if klass else 0, slo_class=klass.name if klass else "",
+                       structured=structured, **kw)
 
     # ---- open loop ------------------------------------------------------------------------------------
     def open_loop(self, horizon_s: float, chunk: int = 4096) -> Iterator[Request]:
         """Requests in arrival order until the horizon or num_requests (generated lazily, in chunks)."""
+        if self.cfg.trace is not None:
+            yield from self._trace_requests(horizon_s)
+            return
         cfg = self.cfg
         limit = cfg.num_requests if cfg.num_requests is not None else float("inf")
         t, made = 0.0, 0
         while made < limit:
             n = int(min(chunk, limit - made))
-            times = t + np.cumsum(arrival_gaps(cfg.arrival, self.rng_arrivals, n))
-            ins = cfg.input_tokens.sample_int(self.rng_lengths, n)
+            times = arrival_times(cfg.arrival, self.rng_arrivals, n, t)
             for i in range(n):
                 if times[i] > horizon_s:
                     return
-                yield self.closed_loop_request(float(times[i]), int(ins[i]))
+                yield self.plain_request(float(times[i]))
                 made += 1
             t = float(times[-1])
 
-    def closed_loop_request(self, now: float, input_len: int | None = None) -> Request:
+    def plain_request(self, now: float) -> Request:
         """One request of the plain (non-session) workload arriving at `now`."""
-        if input_len is None:
-            input_len = int(self.cfg.input_tokens.sample_int(self.rng_lengths))
+        rng = self.rng_lengths
+        klass = self.pick_class(rng)
+        n_in, n_out, cap = self.lengths(rng, klass)
+        own = max(1, n_in - len(self.prefix))
+        body = self.tokens(self.rng_tokens, own)
+        prompt = np.concatenate([self.prefix, body]) if len(self.prefix) else body
+        return self.make(now, prompt, n_out, cap, self.rng_tokens, klass)
+
+    # ---- traces ---------------------------------------------------------------------------------------
+    def _trace_requests(self, horizon_s: float) -> Iterator[Request]:
+        from simengine.workload.traces import ReplayOptions, prompt_token_ids_from_hash_ids, read_trace
+
+        tc = self.cfg.trace
+        path = resolve_trace_path(tc)
+        opts = ReplayOptions(start_s=tc.start_s, end_s=tc.end_s, time_scale=tc.time_scale, rate_scale=tc.rate_scale,
+                             max_requests=tc.max_requests or self.cfg.num_requests)
+        trace = read_trace(tc.kind, path, opts, rng=self._trace_rng)
+        arrivals = trace.arrival_s
+        if tc.kind == "sharegpt":  # no timestamps in ShareGPT: the workload's arrival process assigns them
+            arrivals = arrival_times(self.cfg.arrival, self.rng_arrivals, len(trace), 0.0)
         rng = self.rng_tokens
-        own = max(1, input_len - len(self.prefix))
-        prompt = np.concatenate([self.prefix, self.tokens(rng, own)]) if len(self.prefix) else self.tokens(rng, own)
-        out, cap = self.output_len(self.rng_lengths)
-        return self.make(now, prompt, out, cap, rng)
+        for i in range(len(trace)):
+            t = float(arrivals[i])
+            if t > horizon_s:
+                return
+            n_in, n_out = int(trace.input_tokens[i]), int(trace.output_tokens[i])
+            if trace.block_hash_ids is not None:
+                prompt = prompt_token_ids_from_hash_ids(trace.block_hash_ids[i], n_in, trace.hash_block_tokens)
+                prompt = prompt.astype(np.int32, copy=False)
+            else:
+                prompt = self.tokens(rng, n_in)
+            klass = self.pick_class(self.rng_lengths)
+            yield self.make(t, prompt, n_out, self.cfg.client_max_tokens, rng, klass)
 
     # ---- sessions ---------------------------------------------------------------------------------------
     def session(self, index: int) -> SessionPlan:
-        """A session's deterministic plan: turn count, user-token and output lengths, think times."""
+        """A session's deterministic plan: its own random stream, turn count, start offset and class."""
         s = self.cfg.sessions
-        rng = np.random.default_rng(np.random.SeedSequence(self._session_seq.entropy,
-                                                           spawn_key=(STREAM_SESSIONS, index)))
+        rng = np.random.default_rng(np.random.SeedSequence(self._session_entropy, spawn_key=(index,)))
         turns = int(s.turns.sample_int(rng))
-        return SessionPlan(index=index, rng=rng, turns=turns,
-                           start_offset_s=float(rng.uniform(0, s.start_spread_s)) if s.start_spread_s else 0.0)
+        offset = float(rng.uniform(0, s.start_spread_s)) if s.start_spread_s else 0.0
+        return SessionPlan(index=index, rng=rng, turns=turns, start_offset_s=offset, klass=self.pick_class(rng))
 
     def session_turn(self, plan: SessionPlan, now: float, previous: Request | None) -> Request:
         """The next turn: previous prompt + previous output + new user/tool tokens."""
         s = self.cfg.sessions
         rng = plan.rng
         user = self.tokens(rng, int(s.user_tokens.sample_int(rng)))
+        _, n_out, cap = self.lengths(rng, plan.klass)
         if previous is None:
             prompt = np.concatenate([self.prefix, user])
         else:
             context = previous.token_ids[:previous.prompt_len + previous.output_len]
             prompt = np.concatenate([context, user])
-        out, cap = self.output_len(rng)
-        return self.make(now, prompt, out, cap, rng, session_id=plan.index, turn=plan.turn)
+            if s.context_overflow == "truncate":
+                prompt = self._truncate(prompt, n_out)
+        return self.make(now, prompt, n_out, cap, rng, plan.klass, session_id=plan.index, turn=plan.turn)
+
+    def _truncate(self, prompt: np.ndarray, n_out: int) -> np.ndarray:
+        """Drop the oldest conversation tokens after the shared prefix so prompt + output fit the context."""
+        room = self.max_model_len - n_out
+        if len(prompt) <= room:
+            return prompt
+        keep_head = min(len(self.prefix), max(room // 2, 0))
+        tail = max(room - keep_head, 1)
+        return np.concatenate([prompt[:keep_head], prompt[-tail:]])
 
     def think_time(self, plan: SessionPlan) -> float:
         return float(max(0.0, self.cfg.sessions.think_time_s.sample(plan.rng)))
 
+    def session_start_times(self, horizon_s: float) -> Iterator[float]:
+        """Open session arrivals (Poisson at sessions.arrival_rate) up to the horizon."""
+        rate = self.cfg.sessions.arrival_rate
+        t = 0.0
+        while True:
+            t += float(self.rng_arrivals.exponential(1.0 / rate))
+            if t > horizon_s:
+                return
+            yield t
 
-@dataclass
-class SessionPlan:
-    index: int
-    rng: np.random.Generator
-    turns: int
-    start_offset_s: float
-    turn: int = 0
+
+def resolve_trace_path(tc: TraceConfig) -> Path:
+    p = Path(tc.path)
+    if not p.is_absolute():
+        p = (REPO_ROOT / p).resolve()
+    if not p.exists():
+        raise InputError(f"trace file not found: {p}; trace scenarios read ../shared/data/traces/ beside the repo "
+                         f"by default: put the file there or set workload.trace.path", field="workload.trace.path")
+    return p
