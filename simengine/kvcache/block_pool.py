@@ -1,12 +1,14 @@
 """A paged KV block pool with ref counts and a hashed-full-block prefix cache (vLLM V1 semantics).
 
-Free blocks sit in one LRU queue (an insertion-ordered dict): allocation pops from the front; a freed
+Free blocks sit in one LRU queue (an OrderedDict: O(1) pop from the front and removal from the middle): allocation pops from the front; a freed
 request's blocks are appended tail-first, so the end of a prefix chain is evicted before its head. A popped
 block that still carries a hash leaves the hash map then (lazy eviction). A cached block with ref count 0
 can be touched back out of the free queue by a prefix hit.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
@@ -22,7 +24,7 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                  # block hash -> block id
-        self.free_queue: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
 
     @property
@@ -46,9 +48,9 @@ class BlockPool:
             raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
         out = []
         free_queue, block_hash, cached, ref_cnt = self.free_queue, self.block_hash, self.cached, self.ref_cnt
+        popitem = free_queue.popitem
         for _ in range(n):
-            b = next(iter(free_queue))
-            del free_queue[b]
+            b = popitem(last=False)[0]
             h = block_hash[b]
             if h is not None:
                 if cached.get(h) == b:

@@ -107,6 +107,22 @@ class TraceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DocumentPool:
+    """Shared long documents (RAG): each request's prompt is [shared prefix] + one document + its own question.
+    Documents are picked with Zipf-like popularity: P(doc k) proportional to 1 / k**zipf_s (0 = uniform)."""
+
+    count: int
+    tokens: Dist
+    zipf_s: float = 1.0
+
+    def __post_init__(self):
+        if not 1 <= self.count <= 100_000:
+            raise InputError(f"must be in 1..100000, got {self.count}", field="workload.documents.count")
+        if not (math.isfinite(self.zipf_s) and self.zipf_s >= 0):
+            raise InputError(f"must be >= 0, got {self.zipf_s}", field="workload.documents.zipf_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkloadConfig:
     """Requests: open-loop arrivals (or closed-loop users), length distributions, shared prefix, sessions,
     classes, structured output, or a trace."""
@@ -118,6 +134,7 @@ class WorkloadConfig:
     shared_prefix_tokens: int = 0         # identical system prompt (+ tool definitions) at the head of prompts
     client_max_tokens: int | None = None  # max_tokens the client sends; None = exactly the output length
     sessions: SessionConfig | None = None
+    documents: DocumentPool | None = None  # RAG: prompts = prefix + a shared document + input_tokens of question
     classes: list[RequestClass] = field(default_factory=list)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     trace: TraceConfig | None = None

@@ -48,6 +48,14 @@ class RequestFactory:
             0, vocab_size, cfg.shared_prefix_tokens, dtype=np.int32)
         self._session_entropy = children[STREAM_SESSIONS].entropy
         self._trace_rng = np.random.default_rng(children[STREAM_TRACE])
+        self.documents: list[np.ndarray] = []
+        self._doc_p = None
+        if cfg.documents is not None:
+            drng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(99,)))
+            d = cfg.documents
+            self.documents = [self.tokens(drng, int(d.tokens.sample_int(drng))) for _ in range(d.count)]
+            w = 1.0 / np.arange(1, d.count + 1) ** d.zipf_s
+            self._doc_p = w / w.sum()
         weights = np.array([c.weight for c in cfg.classes], dtype=float)
         self._class_p = weights / weights.sum() if len(weights) else None
         self.next_id = 0
@@ -108,9 +116,13 @@ class RequestFactory:
         rng = self.rng_lengths
         klass = self.pick_class(rng)
         n_in, n_out, cap = self.lengths(rng, klass)
-        own = max(1, n_in - len(self.prefix))
-        body = self.tokens(self.rng_tokens, own)
-        prompt = np.concatenate([self.prefix, body]) if len(self.prefix) else body
+        if self.documents:  # RAG: the question's length is input_tokens; the document comes on top
+            doc = self.documents[int(rng.choice(len(self.documents), p=self._doc_p))]
+            prompt = np.concatenate([self.prefix, doc, self.tokens(self.rng_tokens, n_in)])
+        else:
+            own = max(1, n_in - len(self.prefix))
+            body = self.tokens(self.rng_tokens, own)
+            prompt = np.concatenate([self.prefix, body]) if len(self.prefix) else body
         return self.make(now, prompt, n_out, cap, self.rng_tokens, klass)
 
     # ---- traces ---------------------------------------------------------------------------------------
