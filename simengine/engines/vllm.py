@@ -174,15 +174,20 @@ class VllmEngine(EnginePolicy):
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
         budget = self.max_num_batched_tokens
         running = self.running
+        alone = self._alone()
+        threshold = self.params.long_prefill_token_threshold
+        allocate = self.kv.allocate_slots
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = self._cap(req.num_new_tokens, budget, self._alone())
+            n = req.prompt_len + req.num_output_tokens - req.num_computed_tokens
+            n = self._cap(n, budget, alone) if threshold or n > budget else n
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not allocate(req, n):
                 victim = self._victim()
+                alone = False
                 self._preempt(victim, out)
                 if victim is req:
                     break

@@ -78,8 +78,18 @@ class KVCacheManager:
         `reserve_tokens` asks for blocks covering at least that many tokens (vLLM's full-prompt admission,
         TGI/TRT-LLM worst-case reservation). Returns False and changes nothing when blocks are short.
         """
+        rid = req.request_id
+        bs = self.block_size
+        end = req.num_computed_tokens + num_new_tokens
+        blocks = self.req_blocks.get(rid)
+        if blocks is not None and not hit.blocks and end <= len(blocks) * bs and reserve_tokens <= len(blocks) * bs:
+            # fast path (most decode steps): the request's blocks already hold the new tokens
+            if self.enable_prefix_caching and end // bs > self.req_hashed.get(rid, 0):
+                self._publish(req, end)
+            return True
         needed = self._blocks_needed(req, num_new_tokens, hit, reserve_tokens)
-        if needed > self.pool.num_free_after_touch(hit.blocks) - watermark_blocks:
+        free = self.pool.num_free_after_touch(hit.blocks) if hit.blocks else self.pool.num_free
+        if needed > free - watermark_blocks:
             return False
         blocks = self.req_blocks.setdefault(req.request_id, [])
         if hit.blocks:

@@ -1,0 +1,146 @@
+"""Orca (Yu et al., OSDI'22): iteration-level scheduling with selective batching, as Vidur and Sarathi-Serve model it.
+
+Every iteration runs one decode token for each running request plus the whole prompts of newly admitted ones
+(selective batching: no chunking, prefills and decodes share the linear layers). Requests are admitted FCFS up
+to `max_num_seqs` while the KV pool can hold their reservation: Orca reserves slots for the request's maximum
+length at admission (Algorithm 1: n_rsrv += req.max_tokens), so a running request can never run out of KV and
+nothing is ever preempted. Paged blocks hold the reservation (Vidur/Sarathi-Serve's Orca also count blocks).
+No prefix cache, no CUDA graphs, a synchronous loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.memory import Deployment, kv_tokens_or_refuse
+from simengine.kvcache.manager import KVCacheManager
+
+ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
+ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrcaParams:
+    """Orca's scheduler knobs under Sarathi-Serve's names (Orca itself was never released)."""
+
+    max_num_seqs: int = 128              # Orca's max_bs; sarathi-serve BaseSchedulerConfig.max_num_seqs and Vidur
+                                         # BaseReplicaSchedulerConfig.batch_size_cap both default to 128
+    block_size: int = 16                 # sarathi-serve CacheConfig.block_size; Vidur block_size 16
+    gpu_memory_utilization: float = 0.8  # of total memory: Vidur ReplicaConfig and sarathi-serve WorkerConfig 0.8
+    reserve: Literal["max_tokens", "max_model_len"] = "max_tokens"
+    # "max_tokens": the paper's rule, prompt + the request's max_tokens (OSDI'22 Algorithm 1); "max_model_len":
+    # sarathi-serve's OrcaBlockSpaceManager (ceil(max_model_len / block_size) blocks per request)
+    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    num_blocks: int | None = None        # Vidur BaseReplicaSchedulerConfig.num_blocks: None = sized from memory
+
+    def __post_init__(self):
+        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
+        for name in ("max_num_seqs", "block_size", "max_model_len", "num_blocks"):
+            check_positive(getattr(self, name), name)
+
+
+@ENGINES.register("orca")
+class OrcaEngine(EnginePolicy):
+    Params = OrcaParams
+    vendors = ALL_VENDORS
+    device_classes = ALL_CLASSES
+    support_source = ("research policy (OSDI'22; the system was never released): modelled as a scheduling policy "
+                      "on any accelerator, as Vidur and Sarathi-Serve reimplement it")
+
+    def __init__(self, params: OrcaParams, dep: Deployment):
+        self.step_token_limit, self.batch_size_limit = None, params.max_num_seqs  # whole prompts: no token cap
+        super().__init__(params, dep)
+        # Vidur MemoryPlanner.get_max_batch_size: total x gpu_memory_utilization - parameters, all of it for KV.
+        kv_bytes = params.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
+        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="orca",
+                                     rule=f"gpu_memory_utilization={params.gpu_memory_utilization} of total memory")
+        num_blocks = params.num_blocks or tokens // params.block_size
+        self.kv = KVCacheManager(num_blocks, params.block_size, enable_prefix_caching=False)
+        self.max_model_len = params.max_model_len or dep.model.max_model_len
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+
+    def make_timing(self) -> EngineTiming:
+        # ESTIMATE: a Python scheduler and input preparation ~1 ms and sampling/output handling ~0.5 ms per
+        # iteration, not overlapped (Orca's scheduler waits for each batch on a single worker; Sarathi-Serve's
+        # engine loop is synchronous). No CUDA graphs (sarathi-serve model_runner.py captures none).
+        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=False, cuda_graph_sizes=())
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def reservation(self, req: Request) -> int:
+        """KV tokens reserved for the request's whole life at admission."""
+        if self.params.reserve == "max_model_len":
+            return self.max_model_len
+        return req.prompt_len + req.max_tokens
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.check_length(req):
+            return False
+        need = self.reservation(req)
+        if req.prompt_len + req.max_tokens > need:
+            return self.reject(req, f"prompt + max_tokens {req.prompt_len + req.max_tokens} overruns the "
+                                    f"max_model_len reservation of {need}")
+        if self.kv.blocks_for(need) > self.kv.num_blocks:
+            return self.reject(req, f"its reservation of {need} KV tokens exceeds the pool of "
+                                    f"{self.kv_capacity_tokens()}")
+        self.waiting.append(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for req in finished:
+            self.kv.free(req)
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: every running request holds blocks for its whole reservation, so every one decodes each
+        # iteration and nothing is preempted; len(running) <= max_num_seqs; new prompts run whole.
+        out = SchedulerOutput()
+        out.scheduled = [(r, r.num_new_tokens) for r in self.running]
+        self._admit(out, now)
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _admit(self, out: SchedulerOutput, now: float) -> None:
+        """FCFS head-of-line: stop at the first request whose reservation does not fit."""
+        while self.waiting and len(self.running) < self.params.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.allocate_slots(req, req.prompt_len, reserve_tokens=self.reservation(req)):
+                break
+            self.waiting.popleft()
+            req.num_cached_tokens = 0
+            self.mark_scheduled(req, now)
+            self.running.append(req)
+            out.scheduled.append((req, req.prompt_len))
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()
+        assert len(self.running) <= self.params.max_num_seqs
+        bs = self.kv.block_size
+        for r in self.running:
+            assert self.kv.num_blocks_of(r) * bs >= self.reservation(r), "a running request lost its reservation"
+        assert sum(self.kv.num_blocks_of(r) for r in self.running) == self.kv.pool.num_used

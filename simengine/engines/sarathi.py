@@ -1,0 +1,195 @@
+"""Sarathi-Serve (Agrawal et al., OSDI'24) stall-free batching, after sarathi-serve's SarathiScheduler and Vidur.
+
+Each iteration has a fixed token budget (`chunk_size`). Running decodes go first, one token each; prefills
+already in progress continue with chunks of what is left of the budget; then new requests are admitted FCFS
+with chunks of the rest, so a long prompt never stalls ongoing decodes. Admission needs free blocks for the
+whole prompt plus a watermark; a decode that finds no free block preempts (recompute) the latest-arrived
+request not yet scheduled this iteration, or itself. Paged KV, no prefix cache, no CUDA graphs, synchronous.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.errors import InputError
+from simengine.kvcache.manager import KVCacheManager
+
+ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
+ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SarathiParams:
+    """sarathi-serve knob names (sarathi/config/config.py) and defaults."""
+
+    chunk_size: int = 512                   # SarathiSchedulerConfig.chunk_size (Vidur SarathiSchedulerConfig 512)
+    max_num_seqs: int = 128                 # BaseSchedulerConfig.max_num_seqs (Vidur batch_size_cap 128)
+    block_size: int = 16                    # CacheConfig.block_size
+    gpu_memory_utilization: float = 0.8     # WorkerConfig.gpu_memory_utilization, of total memory
+    watermark_blocks_fraction: float = 0.01  # BaseBlockSpaceManager watermark=0.01 (Vidur watermark_blocks_fraction)
+    max_model_len: int | None = None        # ModelConfig.max_model_len; None: from the model config
+    num_gpu_blocks: int | None = None       # CacheConfig.num_gpu_blocks; None: set by memory profiling
+
+    def __post_init__(self):
+        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
+        for name in ("chunk_size", "max_num_seqs", "block_size", "max_model_len", "num_gpu_blocks"):
+            check_positive(getattr(self, name), name)
+        check_positive(self.watermark_blocks_fraction, "watermark_blocks_fraction", allow_zero=True)
+        if self.watermark_blocks_fraction >= 1.0:
+            raise InputError(f"must be < 1, got {self.watermark_blocks_fraction}", field="watermark_blocks_fraction")
+
+
+@ENGINES.register("sarathi")
+class SarathiEngine(EnginePolicy):
+    Params = SarathiParams
+    vendors = ALL_VENDORS
+    device_classes = ALL_CLASSES
+    support_source = ("research policy (OSDI'24, microsoft/sarathi-serve runs on NVIDIA CUDA only); modelled "
+                      "as a scheduling policy on any accelerator, like its Vidur reimplementation")
+
+    def __init__(self, params: SarathiParams, dep: Deployment):
+        # decodes are not capped by the chunk budget, only prefill chunks are (at most max_num_seqs decodes)
+        self.step_token_limit = max(params.chunk_size, params.max_num_seqs)
+        self.batch_size_limit = params.max_num_seqs
+        super().__init__(params, dep)
+        p = params
+        # model_runner.profile_num_available_blocks: total x utilization - peak of a one-chunk profiling forward
+        kv_bytes = (p.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
+                    - activation_reserve_bytes(dep, p.chunk_size, 1))
+        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sarathi",
+                                     rule=f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
+        num_blocks = p.num_gpu_blocks or tokens // p.block_size
+        self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=False)
+        self.watermark = int(p.watermark_blocks_fraction * num_blocks)
+        self.max_model_len = p.max_model_len or dep.model.max_model_len
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+
+    def make_timing(self) -> EngineTiming:
+        # ESTIMATE: sarathi-serve is a vLLM-0.2-era Python engine: scheduling + input preparation ~1 ms and
+        # sampler + output processing ~1 ms per iteration, with no overlap (the base engine loop is synchronous)
+        # and no CUDA graphs (model_runner.py captures none).
+        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False, cuda_graph_sizes=())
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if req.prompt_len > self.max_model_len:  # _check_request_prompt_length: prompt beyond max_model_len
+            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}")
+        if self.kv.blocks_for(req.prompt_len) > self.kv.num_blocks - self.watermark:
+            return self.reject(req, "prompt needs more KV blocks than the pool holds above the watermark")
+        self.waiting.append(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for req in finished:
+            self.kv.free(req)
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: prefill tokens + decodes <= max(chunk_size, decodes); decodes are never delayed by a
+        # prefill; len(running) <= max_num_seqs; preemption frees blocks only for decodes.
+        out = SchedulerOutput()
+        pending = deque(sorted(self.running, key=lambda r: (r.arrival_s, r.request_id)))  # fcfs sort_by_priority
+        kept, prefills, used = self._schedule_decodes(out, pending)
+        used = self._schedule_prefills(out, prefills, used)
+        self.running = kept + prefills
+        self._schedule_waiting(out, used, now)
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, pending: deque[Request]) -> tuple[list, list, int]:
+        """Decodes in arrival order; a decode short of a block preempts from the back of the unscheduled rest."""
+        kept: list[Request] = []
+        prefills: list[Request] = []
+        used = 0
+        while pending:
+            req = pending.popleft()
+            if not req.is_decoding:
+                prefills.append(req)  # a chunked prefill (or recompute) in progress: its blocks are held
+                continue
+            while not self.kv.allocate_slots(req, 1):
+                victim = pending.pop() if pending else req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is Status.PREEMPTED:
+                break
+            kept.append(req)
+            out.scheduled.append((req, 1))
+            used += 1
+        return kept, prefills, used
+
+    def _schedule_prefills(self, out: SchedulerOutput, prefills: list[Request], used: int) -> int:
+        """Ongoing prefills take chunks of what the decodes left of the budget."""
+        for req in prefills:
+            n = min(req.num_new_tokens, self.params.chunk_size - used)
+            if n <= 0:
+                continue
+            self.kv.allocate_slots(req, n)  # within the prompt blocks held since admission: never fails
+            out.scheduled.append((req, n))
+            used += n
+        return used
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        self.waiting.appendleft(req)  # BaseScheduler._preempt: waiting.insert(0, seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, used: int, now: float) -> None:
+        """FCFS admission: whole current sequence must fit above the watermark; first chunk fills the budget."""
+        while self.waiting and len(self.running) < self.params.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens, self.params.chunk_size - used)
+            if n <= 0:
+                break
+            if not self.kv.allocate_slots(req, n, reserve_tokens=req.num_tokens, watermark_blocks=self.watermark):
+                if not self.running:  # nothing will ever free blocks for it
+                    self.waiting.popleft()
+                    self.reject(req, "its sequence needs more KV blocks than the pool holds above the watermark")
+                    out.rejected.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            self.mark_scheduled(req, now)
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            used += n
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()
+        assert len(self.running) <= self.params.max_num_seqs
+        assert sum(self.kv.num_blocks_of(r) for r in self.running) == self.kv.pool.num_used
+        for r in self.running:
+            held = self.kv.num_blocks_of(r)
+            assert held >= self.kv.blocks_for(r.num_computed_tokens if r.is_decoding else r.num_tokens)
