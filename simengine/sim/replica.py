@@ -36,12 +36,23 @@ class Replica:
             self._wake.succeed()
 
     def run(self):
-        env, engine, cost, rec = self.env, self.engine, self.cost, self.recorder
+        env = self.env
         while True:
-            if not engine.has_work():
+            if not self.engine.has_work():
                 self._wake = env.event()
                 yield self._wake
                 continue
+            # hold the GPU for the whole busy period (steps back to back), release it when going idle
+            with self.gpu.request() as hold:
+                yield hold
+                stalled = yield from self._busy_period()
+            if stalled:  # waiting work that cannot start until something changes (an arrival) wakes us
+                self._wake = env.event()
+                yield self._wake
+
+    def _busy_period(self):
+        env, engine, cost, rec = self.env, self.engine, self.cost, self.recorder
+        while engine.has_work():
             out = engine.schedule(env.now)
             for req in out.rejected:
                 self.on_done(req, self.index)
@@ -49,14 +60,10 @@ class Replica:
                 if engine.num_running():
                     raise RuntimeError(f"{engine.name} scheduled nothing with {engine.num_running()} running "
                                        f"({out.idle_reason or 'no reason given'})")
-                self._wake = env.event()  # waiting work that cannot start until something changes
-                yield self._wake
-                continue
+                return True
             c = cost.step(out.shape)
             start = env.now
-            with self.gpu.request() as hold:
-                yield hold
-                yield env.timeout(c.seconds)
+            yield env.timeout(c.seconds)
             res = engine.update(out, env.now)
             shape = out.shape
             rec.step((self.index, start, env.now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
@@ -67,3 +74,4 @@ class Replica:
                 engine.check_invariants()
             for req in res.finished:
                 self.on_done(req, self.index)
+        return False
