@@ -1,0 +1,120 @@
+"""Simulator speed benchmark (`make bench`): writes results/bench.json and prints a table.
+
+Workload: ShareGPT-like (lognormal prompt and output lengths, means ~1000 and ~250 tokens) on Llama-3.1-8B /
+H100 with the vLLM policy at a rate that keeps the replica busy (90% of its measured offline throughput), at
+10k, 100k and 1M requests; every engine at 10k; a bare SimPy loop of 1M timeouts as the machine reference.
+Each measurement runs in a fresh subprocess so its peak RSS is its own. Compare machines by the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scenario_dict(num_requests: int, rate: float | None, engine: str) -> dict:
+    arrival = {"process": "poisson", "rate": rate} if rate else {"process": "offline"}
+    return {"name": "bench", "seed": 1, "horizon_s": 1e7, "drain_s": 1e6,
+            "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+            "workload": {"arrival": arrival, "num_requests": num_requests,
+                         "input_tokens": {"dist": "lognormal", "mean": 1000, "sigma": 0.8, "max": 8000},
+                         "output_tokens": {"dist": "lognormal", "mean": 250, "sigma": 0.8, "max": 2048}},
+            "engines": [engine]}
+
+
+def child(args) -> None:
+    """Run one measurement in this process and print a JSON line."""
+    if args.child == "simpy":
+        import simpy
+        env = simpy.Environment()
+
+        def loop():
+            for _ in range(1_000_000):
+                yield env.timeout(1.0)
+        env.process(loop())
+        t0 = time.perf_counter()
+        env.run()
+        out = {"seconds": time.perf_counter() - t0}
+    else:
+        from simengine.api import run_engine
+        from simengine.config.loader import from_dict
+        from simengine.config.scenario import Scenario
+        sc = from_dict(Scenario, scenario_dict(args.n, args.rate, args.child), source="bench")
+        t0 = time.perf_counter()
+        r = run_engine(sc, sc.engines[0])
+        secs = time.perf_counter() - t0
+        out = {"seconds": secs, "completed": r.summary["completed"], "steps": r.summary["num_steps"],
+               "request_throughput": r.summary["request_throughput"]}
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out))
+
+
+def measure(kind: str, n: int = 0, rate: float | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--n", str(n)] + (["--rate", str(rate)] if rate else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"bench child {kind} n={n} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--child")
+    p.add_argument("--n", type=int, default=0)
+    p.add_argument("--rate", type=float)
+    p.add_argument("--sizes", default="10000,100000,1000000")
+    p.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    from simengine.engines import ENGINES
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    simpy_1m = measure("simpy")["seconds"]
+    capacity = measure("vllm", 2000)["request_throughput"]  # offline: the replica's saturated throughput
+    rate = round(0.9 * capacity, 3)
+    runs = {n: measure("vllm", n, rate) for n in sizes}
+    per_engine = {e: measure(e, sizes[0], rate) for e in ENGINES.names() if e != "generic"}
+    xs = [math.log(n) for n in sizes]
+    ys = [math.log(runs[n]["seconds"]) for n in sizes]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs) if len(xs) > 1 else 1
+    first = sizes[0]
+    result = {
+        "sizes": sizes, "rate_req_s": rate, "offline_capacity_req_s": round(capacity, 3),
+        "simpy_1m_seconds": round(simpy_1m, 3),
+        "seconds_10k": round(runs.get(10000, runs[first])["seconds"], 3),
+        "seconds_100k": round(runs[100000]["seconds"], 3) if 100000 in runs else None,
+        "seconds_1m": round(runs[1000000]["seconds"], 3) if 1000000 in runs else None,
+        "requests_per_s_10k": round(first / runs[first]["seconds"], 1),
+        "steps_per_s_10k": round(runs[first]["steps"] / runs[first]["seconds"], 1),
+        "peak_rss_mb_1m": round(runs[1000000]["peak_rss_mb"], 1) if 1000000 in runs else None,
+        "peak_rss_mb": {str(n): round(r["peak_rss_mb"], 1) for n, r in runs.items()},
+        "scaling_exponent": round(slope, 3),
+        "ratio_10k_to_simpy_1m": round(runs[first]["seconds"] / simpy_1m, 3),
+        "per_engine_seconds_10k": {e: round(r["seconds"], 3) for e, r in per_engine.items()},
+        "per_engine_ratio_to_vllm": {e: round(r["seconds"] / per_engine["vllm"]["seconds"], 2)
+                                     for e, r in per_engine.items()},
+        "runs": {str(n): r for n, r in runs.items()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'measurement':34s} {'value':>12s}")
+    for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "requests_per_s_10k",
+              "steps_per_s_10k", "peak_rss_mb_1m", "scaling_exponent", "ratio_10k_to_simpy_1m"):
+        print(f"{k:34s} {result[k]!s:>12s}")
+    for e, s in result["per_engine_seconds_10k"].items():
+        print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
