@@ -51,6 +51,13 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     return cls(params, dep)
 
 
+def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0) -> RooflineCost:
+    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy)."""
+    d = engine.dep
+    return RooflineCost(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
+                        tp=d.tp, pp=d.pp, timing=engine.timing, grammar_mask_s=grammar_mask_s)
+
+
 @dataclass
 class RunResult:
     """Everything one engine run produced (frames are built later from the recorder's rows)."""
@@ -80,11 +87,7 @@ class Runner:
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
         self.replicas = [
-            Replica(self.env, i, eng, RooflineCost(self.dep.model, self.dep.hardware,
-                                                   weight_format=self.dep.weight_format,
-                                                   kv_elem_bytes=self.dep.kv_elem_bytes, tp=self.dep.tp,
-                                                   pp=self.dep.pp, timing=eng.timing,
-                                                   grammar_mask_s=wl.structured_output.mask_s),
+            Replica(self.env, i, eng, cost_model(eng, wl.structured_output.mask_s),
                     self.recorder, self._on_done, check_invariants=check_invariants)
             for i, eng in enumerate(self.engines)]
         self.live: dict[int, Request] = {}

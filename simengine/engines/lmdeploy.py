@@ -1,0 +1,352 @@
+"""LMDeploy TurboMind engine (src/turbomind/engine/scheduler.cc, engine.cc; v0.16.0) as read in engines.md §4.1.
+
+One pass per forward over ALL sequences in the engine (at most max_batch_size, the rest wait in the gateway),
+strictly by arrival: decode and prefill are not separated. Each sequence takes min(its remaining input, the
+forward budget max_prefill_token_num + max_batch_size); a partial chunk ends on a cache block. Memory admission
+lets a sequence evict inactive KV (kept sessions, cached blocks) and then the blocks of sequences that arrived
+AFTER it (the newest first, tail blocks first); those become inactive and later resume from whatever prefix is
+still valid (recompute). The first sequence that cannot fit ends the pass. Pool = cache_max_entry_count of the
+free memory after weights, in blocks of cache_block_seq_len; quant_policy 8/4 stores the KV in int8/int4.
+Prefix caching (a trie of full blocks) is off by default. With `interactive_sessions`, a finished turn's KV is
+kept for its session and the next turn resumes from it (lmdeploy's stateful session API). async_=1 overlaps
+host work with the GPU; TurboMind captures no CUDA graphs (fused C++ kernels, launched eagerly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from simengine.config.dtypes import kv_bytes
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
+from simengine.errors import InputError
+from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
+
+# utils.py get_max_batch_size: substring of the CUDA device name -> default max_batch_size (others 128)
+MAX_BATCH_BY_DEVICE = {"a100": 384, "a800": 384, "h100": 1024, "h800": 1024, "l20y": 1024, "h200": 1024}
+KV_BY_QUANT_POLICY = {4: "int4", 8: "int8"}   # messages.py QuantPolicy: 0 = 16-bit, 4 = int4, 8 = int8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmdeployParams:
+    """TurbomindEngineConfig fields (lmdeploy/messages.py, v0.16.0) plus the stateful-session switch."""
+
+    max_batch_size: int | None = None          # None: A100/A800 384, H100/H800/H200/L20Y 1024, else 128 (utils.py)
+    session_len: int | None = None             # None: the model's context length (capped to the KV pool here)
+    max_prefill_token_num: int = 8192          # messages.py; forward budget = this + max_batch_size (turbomind.cc)
+    max_context_token_num: int | None = None   # None: session_len (engine_config.h); caps the pass's prefill contexts
+    cache_max_entry_count: float = 0.8         # messages.py: fraction of FREE memory after weights (> 1: block count)
+    cache_block_seq_len: int = 64              # messages.py
+    enable_prefix_caching: bool = False        # messages.py
+    quant_policy: Literal[0, 4, 8] = 0         # messages.py: KV 16-bit / int4 / int8 (FP8 KV is rejected)
+    async_: Literal[0, 1] = 1                  # messages.py; turbomind.cc phases_ = async_ ? 2 : 1
+    # lmdeploy's session API: pipeline/engine calls with session_id and sequence_start/sequence_end=False keep
+    # a conversation's KV between turns. Off = every turn is a fresh sequence (sequence_start=end=True).
+    interactive_sessions: bool = False
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "session_len", "max_prefill_token_num", "max_context_token_num",
+                     "cache_max_entry_count", "cache_block_seq_len"):
+            check_positive(getattr(self, name), name)
+        if self.cache_max_entry_count <= 1:
+            check_fraction(self.cache_max_entry_count, "cache_max_entry_count")
+
+
+def turbomind_max_batch_size(dep: Deployment) -> int:
+    name = dep.hardware.name.lower()
+    return next((v for k, v in MAX_BATCH_BY_DEVICE.items() if k in name), 128)
+
+
+def turbomind_kv(dep: Deployment, quant_policy: int) -> Deployment:
+    """The deployment with TurboMind's KV format: quant_policy (or an int8/int4 kv_dtype) sets bytes per token."""
+    if dep.kv_dtype == "fp8":
+        raise InputError("TurboMind has no FP8 KV cache (messages.py accepts quant_policy 0, 4 or 8); use "
+                         "kv_dtype int8 or int4, or params.quant_policy", field="deployment.kv_dtype")
+    implied = {v: k for k, v in KV_BY_QUANT_POLICY.items()}.get(dep.kv_dtype, 0)
+    if quant_policy and implied and quant_policy != implied:
+        raise InputError(f"quant_policy {quant_policy} contradicts deployment.kv_dtype {dep.kv_dtype}",
+                         field="engines.params.quant_policy")
+    name = KV_BY_QUANT_POLICY.get(quant_policy or implied, dep.kv_dtype)
+    return dataclasses.replace(dep, kv_dtype=name, kv_elem_bytes=kv_bytes(name))
+
+
+@ENGINES.register("lmdeploy")
+class LmdeployEngine(EnginePolicy):
+    Params = LmdeployParams
+    vendors = frozenset({"nvidia"})
+    support_source = ("LMDeploy docs 'Supported models' / README: TurboMind is CUDA-only (sm70+); Huawei Ascend, "
+                      "Cambricon and MACA run the PyTorch engine via dlinfer, which this module does not model")
+
+    def __init__(self, params: LmdeployParams, dep: Deployment):
+        p = params
+        if dep.weight_format.name in ("q4_0", "q8_0"):
+            raise InputError(f"TurboMind does not load ggml {dep.weight_format.name} weights; use bf16/fp16, int4 "
+                             "(AWQ/GPTQ W4A16) or fp8", field="deployment.weight_dtype")
+        dep = turbomind_kv(dep, p.quant_policy)
+        self.max_batch_size = p.max_batch_size or turbomind_max_batch_size(dep)
+        self.max_forward_tokens = p.max_prefill_token_num + self.max_batch_size
+        self.step_token_limit, self.batch_size_limit = self.max_forward_tokens, self.max_batch_size
+        super().__init__(p, dep)
+        bs = p.cache_block_seq_len
+        if p.cache_max_entry_count > 1:
+            tokens = int(p.cache_max_entry_count) * bs
+        else:
+            # ESTIMATE: TurboMind sizes the pool from cudaMemGetInfo after loading weights; activations and
+            # workspaces come out of the remaining (1 - cache_max_entry_count) share.
+            free = dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
+            rule = f"cache_max_entry_count={p.cache_max_entry_count} of free memory after weights"
+            tokens = kv_tokens_or_refuse(dep, p.cache_max_entry_count * free, engine="lmdeploy", rule=rule)
+        num_blocks = max(1, tokens // bs)
+        self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=p.enable_prefix_caching)
+        # capped to the pool so the oldest sequence can always run by evicting everything newer
+        self.max_model_len = min(p.session_len or dep.model.max_model_len, num_blocks * bs)
+        self.max_context_token_num = p.max_context_token_num or self.max_model_len
+        self.queue: deque[Request] = deque()          # gateway: requests not yet in the engine
+        self.seqs: list[Request] = []                 # sequences in the engine, arrival order
+        self.sessions: dict[int, list] = {}           # session_id -> [finished turn holding KV, valid tokens]
+        self._active: set[int] = set()                # request ids scheduled in the last pass
+        self._stop = 0                                # index of the first sequence that lost blocks this pass
+        self._produced: set[int] = set()              # prefix keys of blocks being written in this pass
+        self._query_tokens = self._hit_tokens = 0
+
+    def make_timing(self) -> EngineTiming:
+        return EngineTiming(
+            # ESTIMATE: the C++ scheduler pass (scheduler.cc) ~0.2 ms; output callbacks to the gateway ~0.3 ms;
+            # detokenisation runs in Python (AsyncEngine) off the engine thread. async_=1 hides both.
+            scheduler_cpu_s=0.2e-3, output_cpu_s=0.3e-3, overlap=self.params.async_ == 1,
+            # ESTIMATE: fused C++ kernels per decoder layer: norm+residual, QKV(+bias), RoPE+KV write, attention,
+            # O, norm+residual, gate_up+SiLU, down = 8 launches at ~3 us from C++ (no Python in the loop).
+            kernel_launch_s=3e-6, kernels_per_layer=8, cuda_graph_sizes=())
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self._active)
+
+    def num_waiting(self) -> int:
+        return len(self.queue) + len(self.seqs) - len(self._active)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens not recomputed at first admission (trie hits and resumed sessions)."""
+        return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.check_length(req):
+            return False
+        if req.prompt_len > self.max_context_token_num:
+            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_context_token_num "
+                                    f"{self.max_context_token_num}")
+        req.output_len = min(req.output_len, self.max_model_len - req.prompt_len)  # generation stops at session_len
+        self.queue.append(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Free a finished sequence's KV, or keep it for its session's next turn."""
+        self._active.discard(req.request_id)
+        if self.params.interactive_sessions and req.session_id >= 0:
+            old = self.sessions.pop(req.session_id, None)
+            if old is not None:
+                self.kv.free(old[0])
+            self.sessions[req.session_id] = [req, req.num_computed_tokens]
+        else:
+            self.kv.free(req)
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.seqs = [r for r in self.seqs if id(r) not in done]
+        for req in finished:
+            self.release(req)
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: sequences are visited strictly by arrival; each may evict only inactive KV and later
+        # arrivals' blocks; the first that does not fit (tokens, context or memory) ends the pass.
+        out = SchedulerOutput()
+        while self.queue and len(self.seqs) < self.max_batch_size:
+            req = self.queue.popleft()
+            self._bind_session(req)
+            self.seqs.append(req)
+        self._pass(out, now)
+        self._active = {r.request_id for r, _ in out.scheduled}
+        if not out.scheduled and self.seqs:
+            out.idle_reason = "no sequence fits the forward budget or KV pool"
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _pass(self, out: SchedulerOutput, now: float) -> None:
+        tokens, ctx = self.max_forward_tokens, self.max_context_token_num
+        self._stop = len(self.seqs)
+        self._produced.clear()
+        i = 0
+        while i < min(self._stop, len(self.seqs)) and tokens > 0:
+            req = self.seqs[i]
+            hit = self._resume_hit(req)
+            begin = req.num_computed_tokens + hit.num_tokens
+            charge = self._context_charge(req, begin)
+            fits = charge <= ctx
+            n = self._align(req, begin, min(req.num_tokens - begin, tokens)) if fits else 0
+            if fits and (n <= 0 or self._producer_conflict(req, begin)):
+                i += 1
+                continue  # a sub-block chunk, or blocks another sequence is writing: sits out the pass
+            if not fits or not self._make_room(i, req, n, hit, out):
+                if i == 0:  # the oldest sequence can never run: answer it rather than stall
+                    self._drop(req, out)
+                    continue
+                break
+            self._run(req, n, hit, now, out)
+            tokens -= n
+            ctx -= charge
+            i += 1
+
+    def _context_charge(self, req: Request, begin: int) -> int:
+        """ContextTokenResource: a sequence that prefills charges its whole context; an active decode nothing."""
+        decoding = req.num_tokens - begin <= 1 and req.request_id in self._active
+        return 0 if decoding else req.num_tokens
+
+    def _align(self, req: Request, begin: int, n: int) -> int:
+        """ClampForwardEnd: a partial prefill chunk ends on a cache block boundary."""
+        end = begin + n
+        if end < req.num_tokens:
+            end = end // self.kv.block_size * self.kv.block_size
+        return end - begin
+
+    def _resume_hit(self, req: Request) -> PrefixHit:
+        """Prefix-trie match for a sequence holding no blocks, cut where blocks are still being written."""
+        if req.num_computed_tokens or self.kv.num_blocks_of(req):
+            return NO_HIT
+        hit = self.kv.get_computed_blocks(req)
+        for i, key in enumerate(req.block_hashes[:len(hit.blocks)]):
+            if key in self._produced:
+                return PrefixHit(hit.blocks[:i], i * self.kv.block_size)
+        return hit
+
+    def _producer_conflict(self, req: Request, begin: int) -> bool:
+        """CheckProducers: the next block to compute is being written by an earlier sequence (defer)."""
+        if not self._produced:
+            return False
+        bs = self.kv.block_size
+        hashes = extend_block_hashes(req, bs, req.prompt_len)
+        return begin // bs < len(hashes) and hashes[begin // bs] in self._produced
+
+    def _run(self, req: Request, n: int, hit: PrefixHit, now: float, out: SchedulerOutput) -> None:
+        if not self.kv.allocate_slots(req, n, hit):
+            raise RuntimeError(f"lmdeploy: {req} has no blocks after admission made room")
+        req.num_computed_tokens += hit.num_tokens
+        if self.kv.enable_prefix_caching:
+            bs, start, end = self.kv.block_size, req.num_computed_tokens, req.num_computed_tokens + n
+            self._produced.update(extend_block_hashes(req, bs, end)[start // bs:end // bs])
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            self._query_tokens += req.prompt_len
+            self._hit_tokens += req.num_computed_tokens
+        self.mark_scheduled(req, now)
+        out.scheduled.append((req, n))
+
+    def _drop(self, req: Request, out: SchedulerOutput) -> None:
+        self.seqs.remove(req)
+        self._stop = max(0, self._stop - 1)   # indices after it shift down by one
+        self.kv.free(req)
+        self.reject(req, f"sequence of {req.num_tokens} tokens cannot fit the forward/context budget or KV pool")
+        out.rejected.append(req)
+
+    # ---- memory admission ---------------------------------------------------------------------------
+    def _make_room(self, i: int, req: Request, n: int, hit: PrefixHit, out: SchedulerOutput) -> bool:
+        """Evict oldest-first until `req` can allocate: inactive session KV, then later arrivals' tails.
+
+        A request that cannot fit evicts nothing (RunRequiredAdmission replays only committed requests).
+        """
+        kv = self.kv
+        if kv.can_allocate(req, n, hit):
+            return True
+        later = range(len(self.seqs) - 1, i, -1)
+        if self._deficit(req, n, hit) > (sum(kv.num_blocks_of(h) for h, _ in self.sessions.values())
+                                         + sum(kv.num_blocks_of(self.seqs[j]) for j in later)):
+            return False
+        while not kv.can_allocate(req, n, hit):
+            deficit = self._deficit(req, n, hit)
+            if self.sessions:
+                self._shrink_session(next(iter(self.sessions)), deficit)
+                continue
+            j = next((j for j in later if kv.num_blocks_of(self.seqs[j])), None)
+            if j is None:
+                return False   # only blocks shared with earlier sequences were left
+            self._stop = min(self._stop, j)   # the pass ends where memory was taken from a sequence
+            self._shrink_seq(self.seqs[j], deficit, out)
+        return True
+
+    def _deficit(self, req: Request, n: int, hit: PrefixHit) -> int:
+        kv = self.kv
+        need = kv.blocks_for(req.num_computed_tokens + hit.num_tokens + n) - kv.num_blocks_of(req) - len(hit.blocks)
+        return max(1, need - kv.pool.num_free_after_touch(hit.blocks))
+
+    def _shrink_session(self, sid: int, k: int) -> None:
+        holder, valid = self.sessions[sid]
+        keep = max(0, self.kv.num_blocks_of(holder) - k)
+        if keep == 0:
+            self.kv.free(holder)
+            del self.sessions[sid]
+            return
+        self.kv.free_tail(holder, keep * self.kv.block_size)
+        self.sessions[sid][1] = min(valid, keep * self.kv.block_size)
+
+    def _shrink_seq(self, victim: Request, k: int, out: SchedulerOutput) -> None:
+        """Take `k` tail blocks from a later sequence; it keeps (and later resumes from) its valid prefix."""
+        keep = max(0, self.kv.num_blocks_of(victim) - k)
+        if keep == 0:
+            self.kv.free(victim)
+        else:
+            self.kv.free_tail(victim, keep * self.kv.block_size)
+        valid = min(victim.num_computed_tokens, keep * self.kv.block_size)
+        if valid < victim.num_computed_tokens:
+            victim.num_computed_tokens = valid
+            if victim.status is Status.RUNNING:   # active -> inactive: its lost blocks are recomputed
+                victim.status = Status.PREEMPTED
+                victim.num_preemptions += 1
+                self.num_preemptions += 1
+                out.preempted.append(victim)
+
+    # ---- stateful sessions --------------------------------------------------------------------------
+    def _bind_session(self, req: Request) -> None:
+        """Resume a session's next turn from the KV its previous turn left (interactive_sessions)."""
+        if not self.params.interactive_sessions or req.session_id not in self.sessions:
+            return
+        holder, valid = self.sessions.pop(req.session_id)
+        kv = self.kv
+        if valid >= req.prompt_len or not np.array_equal(holder.token_ids[:valid], req.token_ids[:valid]):
+            kv.free(holder)   # not a continuation of that history (sequence_start): start over
+            return
+        kv.free_tail(holder, valid)
+        # hand the block table over to the new turn. NOTE: reaches into KVCacheManager's tables; a
+        # KVCacheManager.transfer(src, dst) method would keep this inside the manager.
+        blocks = kv.req_blocks.pop(holder.request_id, None)
+        if blocks:
+            kv.req_blocks[req.request_id] = blocks
+        hashed = kv.req_hashed.pop(holder.request_id, None)
+        if hashed is not None:
+            kv.req_hashed[req.request_id] = hashed
+        req.num_computed_tokens = valid
+
+    def check_invariants(self) -> None:
+        kv = self.kv
+        kv.pool.check_invariants()
+        assert len(self.seqs) <= self.max_batch_size
+        assert len(self._active) <= self.max_batch_size
+        for req in self.seqs:
+            assert kv.num_blocks_of(req) >= kv.blocks_for(req.num_computed_tokens), "computed KV without blocks"
+        for holder, valid in self.sessions.values():
+            assert 0 < valid <= kv.num_blocks_of(holder) * kv.block_size
