@@ -92,3 +92,19 @@ def test_fp8_weights_use_fp8_peak_and_are_refused_without_it():
     with pytest.raises(InputError, match="fp8 tensor cores"):
         cost(make_dep(hardware="a100_80g_sxm", weight_dtype="fp8"))
     assert WEIGHT_FORMATS["int4"].compute_dtype == "fp16"
+
+
+def test_expert_parallel_swaps_moe_allreduce_for_all_to_all():
+    import dataclasses
+    tp4 = make_dep(hardware="h200_sxm", model="mixtral-8x7b", tp=4)
+    ep4 = dataclasses.replace(tp4, expert_parallel=True)
+    shape = BatchShape(num_decode=64, decode_context_tokens=64000, num_logits=64, padded_decode=64)
+    c_tp = RooflineCost(tp4.model, tp4.hardware, weight_format=tp4.weight_format, kv_elem_bytes=2, tp=4,
+                        timing=NO_OVERHEAD).step(shape)
+    c_ep = RooflineCost(ep4.model, ep4.hardware, weight_format=ep4.weight_format, kv_elem_bytes=2, tp=4,
+                        timing=NO_OVERHEAD, expert_parallel=True).step(shape)
+    hw = tp4.hardware
+    ar = hw.link_latency_s + 2 * 3 / 4 * 64 * 4096 * 2 / hw.link_bandwidth_bytes_s
+    a2a = hw.link_latency_s + 64 * 2 * 4096 * 2 * 3 / 4 / hw.link_bandwidth_bytes_s
+    assert c_tp.comm_s == pytest.approx(64 * ar)
+    assert c_ep.comm_s == pytest.approx(32 * ar + 64 * a2a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,14 @@ from simengine.errors import InputError, unknown_name
 from simengine.workload.config import WorkloadConfig
 
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
+
+# Scenario names and engine labels become folder names under results/ and plots/: no separators, no '..'.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+# Bounds past which a value is a typo, not an experiment: the run would not finish (or not fit in memory).
+MAX_SIM_SECONDS = 1e7          # ~116 days of simulated time for horizon_s and drain_s (week-long traces fit)
+MAX_REQUESTS = 100_000_000     # expected arrivals of one run (rate x time); the simulator does ~1e5 req/s at best
+MAX_TOKENS = 10_000_000        # one prompt or output; 10M is the longest context any released model claims
+MAX_USERS = 1_000_000          # closed-loop users / sessions alive at once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +37,8 @@ class DeploymentConfig:
     pp: int = 1
     replicas: int = 1
     router: str = "least_loaded"    # least_loaded | round_robin
+    expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
+                                    # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
 
     def __post_init__(self):
         for k in ("tp", "pp", "replicas"):
@@ -70,10 +81,18 @@ class Scenario:
     slo: SloConfig = field(default_factory=SloConfig)
 
     def __post_init__(self):
+        if not SAFE_NAME.match(self.name):
+            raise InputError(f"'{self.name}' is used as a folder name: use letters, digits, '.', '_', '+' or '-' "
+                             "(no '/', no spaces, not starting with '.')", field="name")
+        if not 0 <= self.seed < 2**63:
+            raise InputError(f"must be an integer in [0, 2^63), got {self.seed}", field="seed")
         for k in ("horizon_s", "drain_s"):
             v = getattr(self, k)
             if not math.isfinite(v) or v < 0:
                 raise InputError(f"must be a finite number >= 0, got {v}", field=k)
+            if v > MAX_SIM_SECONDS:
+                raise InputError(f"{v:g} s is beyond any experiment (limit {MAX_SIM_SECONDS:g} s, ~116 days); "
+                                 "give seconds of simulated time", field=k)
         if self.horizon_s == 0 and self.workload.num_requests is None and self.workload.arrival.process != "offline":
             raise InputError("horizon_s is 0 and num_requests is unset: nothing would arrive", field="horizon_s")
         if not self.engines:
@@ -82,6 +101,53 @@ class Scenario:
         dup = {x for x in labels if labels.count(x) > 1}
         if dup:
             raise InputError(f"engine labels must be unique; give a label to repeated {sorted(dup)}", field="engines")
+        for i, e in enumerate(self.engines):
+            if not SAFE_NAME.match(e.display):
+                raise InputError(f"'{e.display}' is used as a folder name: use letters, digits, '.', '_', '+' or '-'",
+                                 field=f"engines[{i}].label")
+        _check_scale(self)
+
+
+def _dist_upper(d) -> float:
+    """A value a length distribution reaches (its cap, else its largest parameter): for typo checks only."""
+    if d.max is not None:
+        return d.max
+    return max(v for v in (d.value, d.high, d.mean, d.low, 0.0) if v is not None)
+
+
+def _check_scale(sc: Scenario) -> None:
+    """Reject workloads whose size is a typo (1e12 req/s, 1e12-token prompts): they would never finish."""
+    wl = sc.workload
+    dists = {"workload.input_tokens": wl.input_tokens, "workload.output_tokens": wl.output_tokens}
+    if wl.sessions is not None:
+        dists["workload.sessions.user_tokens"] = wl.sessions.user_tokens
+    for i, c in enumerate(getattr(wl, "classes", None) or []):
+        for k in ("input_tokens", "output_tokens"):
+            if getattr(c, k, None) is not None:
+                dists[f"workload.classes[{i}].{k}"] = getattr(c, k)
+    for path, d in dists.items():
+        if _dist_upper(d) > MAX_TOKENS:
+            raise InputError(f"reaches {_dist_upper(d):g} tokens, beyond any model's context (limit {MAX_TOKENS:g}); "
+                             "give token counts (set max: to cap a long tail)", field=path)
+    arr = wl.arrival
+    if arr.process == "closed_loop" and arr.concurrency is not None and arr.concurrency > MAX_USERS:
+        raise InputError(f"{arr.concurrency} users is beyond any experiment (limit {MAX_USERS}); lower it",
+                         field="workload.arrival.concurrency")
+    if getattr(wl, "trace", None) is not None or wl.sessions is not None:
+        return
+    if arr.process == "offline":
+        if wl.num_requests is None:
+            raise InputError("offline arrivals put every request at t=0, so the count must be given; set "
+                             "workload.num_requests", field="workload.num_requests")
+        return
+    if arr.process == "closed_loop" or arr.rate is None:
+        return
+    window = sc.horizon_s if wl.num_requests is None else sc.horizon_s + sc.drain_s
+    expected = min(arr.rate * window, wl.num_requests or math.inf)
+    if expected > MAX_REQUESTS:
+        raise InputError(f"{arr.rate:g} req/s over {window:g} s is ~{expected:.3g} requests, beyond what a run can "
+                         f"simulate (limit {MAX_REQUESTS:g}); lower the rate or horizon_s, or set num_requests",
+                         field="workload.arrival.rate")
 
 
 def scenario_files() -> dict[str, Path]:
@@ -108,6 +174,21 @@ def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scen
         raise InputError("a scenario must be a YAML mapping", source=str(path))
     data = apply_overrides(data, overrides or [])
     data.setdefault("name", path.stem)
-    return from_dict(Scenario, data, source=str(path))
+    scenario = from_dict(Scenario, data, source=str(path))
+    check_engines(scenario, source=str(path))
+    return scenario
+
+
+def check_engines(scenario: Scenario, *, source: str) -> None:
+    """Validate each engine name and its `params:` against the engine's own params dataclass, naming the file."""
+    from simengine.engines import ENGINES  # engines import config modules; import them only when loading
+
+    for i, e in enumerate(scenario.engines):
+        if e.engine not in ENGINES.names():
+            raise unknown_name("engine", e.engine, ENGINES.names(), source=source, field=f"engines[{i}].engine")
+        if not isinstance(e.params, dict):
+            raise InputError(f"expected a mapping of {e.engine} knobs, got {type(e.params).__name__}",
+                             source=source, field=f"engines[{i}].params")
+        from_dict(ENGINES.get(e.engine).Params, e.params, source=source, field=f"engines[{i}].params")
 
 

@@ -32,7 +32,8 @@ class RooflineCost:
     """Step time for one replica of `model` on `tp` x `pp` devices of `hw`."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
-                 tp: int = 1, pp: int = 1, timing: EngineTiming, grammar_mask_s: float = 0.0):
+                 tp: int = 1, pp: int = 1, timing: EngineTiming, grammar_mask_s: float = 0.0,
+                 expert_parallel: bool = False):
         self.model, self.hw, self.timing = model, hw, timing
         self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
         self.tp, self.pp = tp, pp
@@ -58,6 +59,12 @@ class RooflineCost:
         self.window = m.sliding_window
         self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
         self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
+        # Expert parallelism: each MoE layer's all-reduce becomes an all-to-all dispatch + combine of every
+        # token's top-k hidden states, (ep-1)/ep of them leaving the device (DeepSpeed-MoE / vLLM EP design).
+        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1) else 0
+        if self.num_all_to_all:
+            self.num_allreduce -= m.num_moe_layers
+        self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
         self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
         self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * m.num_layers
 
@@ -106,6 +113,9 @@ class RooflineCost:
             per_call = self.hw.link_latency_s + self.ring_factor * tokens * self.allreduce_bytes_per_token / (
                 self.hw.link_bandwidth_bytes_s)
             comm_s = self.num_allreduce * per_call
+        if self.num_all_to_all:
+            comm_s += self.num_all_to_all * (self.hw.link_latency_s + tokens * self.a2a_bytes_per_token
+                                             / self.hw.link_bandwidth_bytes_s)
         if self.pp > 1:
             comm_s += (self.pp - 1) * (self.hw.link_latency_s
                                        + tokens * self.allreduce_bytes_per_token / self.hw.link_bandwidth_bytes_s)

@@ -39,6 +39,7 @@ class EnginePolicy(ABC):
     vendors: ClassVar[frozenset[str]]        # hardware vendors the engine supports
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
     support_source: ClassVar[str] = ""
+    supports_expert_parallel: ClassVar[bool] = False
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)

@@ -26,6 +26,7 @@ class Deployment:
     kv_elem_bytes: float
     tp: int = 1
     pp: int = 1
+    expert_parallel: bool = False  # routed experts placed whole on devices (EP = tp) rather than TP-sliced
 
     @property
     def num_devices(self) -> int:

@@ -103,6 +103,7 @@ class TrtllmEngine(EnginePolicy):
     device_classes = frozenset({"datacenter", "workstation", "consumer", "edge"})
     support_source = ("TensorRT-LLM docs 'Supported hardware' (NVIDIA GPUs only: Blackwell, Hopper, Ada, Ampere; "
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
+    supports_expert_parallel = True  # TensorRT-LLM moe_expert_parallel_size (llm_args.py)
 
     def __init__(self, params: TrtllmParams, dep: Deployment):
         p = params

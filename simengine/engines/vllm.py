@@ -70,6 +70,7 @@ class VllmEngine(EnginePolicy):
     Params = VllmParams
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
+    supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
 
     def __init__(self, params: VllmParams, dep: Deployment):
         seqs, batched = vllm_batch_defaults(dep)

@@ -34,8 +34,11 @@ def build_deployment(scenario: Scenario) -> Deployment:
                          field="deployment.tp")
     if d.pp > model.num_layers:
         raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field="deployment.pp")
+    if d.expert_parallel and not model.is_moe:
+        raise InputError(f"expert_parallel needs a mixture-of-experts model; {model.name} is dense",
+                         field="deployment.expert_parallel")
     return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name,
-                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp)
+                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp, expert_parallel=d.expert_parallel)
 
 
 def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
@@ -43,6 +46,10 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     cls = ENGINES.get(entry.engine, field="engines")
     params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
     hw = dep.hardware
+    if dep.expert_parallel and not cls.supports_expert_parallel:
+        ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
+        raise InputError(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
+                         field="deployment.expert_parallel")
     if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
         ok = [n for n in ENGINES.names()
               if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
@@ -55,7 +62,8 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0) -> RooflineCos
     """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy)."""
     d = engine.dep
     return RooflineCost(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                        tp=d.tp, pp=d.pp, timing=engine.timing, grammar_mask_s=grammar_mask_s)
+                        tp=d.tp, pp=d.pp, timing=engine.timing, grammar_mask_s=grammar_mask_s,
+                        expert_parallel=d.expert_parallel)
 
 
 @dataclass
