@@ -1,0 +1,432 @@
+"""SGLang scheduler (srt/managers/scheduler.py, schedule_policy.py; 0.5.23) as read in shared engines.md §2.
+
+Prefill first: whenever a prefill batch can be formed it runs instead of decode (decodes pause for every
+chunk of a long prompt; mixed only with enable_mixed_chunk). The PrefillAdder admits in policy order while
+free + evictable radix tokens minus the running requests' projected decode growth (new_token_ratio x
+min(max_new, 4096)) covers the prompt and its own growth; at most one chunked request. new_token_ratio decays
+from 0.7 to 0.098 over 600 decode steps and jumps back after a retraction; a decode that does not fit retracts
+the request with the fewest outputs (tie: longest prompt), which recomputes later. Token-granular radix cache:
+prompts are inserted as prefill progresses, whole sequences at finish; LRU eviction of unlocked leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
+from simengine.errors import InputError
+from simengine.kvcache.radix import RadixCache
+
+MIB = 2**20
+INIT_NEW_TOKEN_RATIO = 0.7          # environ.py SGLANG_INIT_NEW_TOKEN_RATIO (x schedule_conservativeness)
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # environ.py SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY_STEPS = 600   # environ.py SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+RETRACT_DECODE_STEPS = 20           # environ.py SGLANG_RETRACT_DECODE_STEPS
+CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+LPM_QUEUE_LIMIT = 128               # schedule_policy.py _determine_active_policy: lpm -> fcfs above this
+IN_BATCH_PREFIX_THRESHOLD = 32      # schedule_policy.py IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangParams:
+    """SGLang server arguments (CLI flag names with dashes as underscores). Defaults from 0.5.23."""
+
+    mem_fraction_static: float | None = None    # None: (gpu_mem - reserved) / gpu_mem (arg_groups/memory_hook.py)
+    max_total_tokens: int | None = None         # caps the KV pool in tokens (fields/memory.py; model_runner min())
+    max_running_requests: int | None = None     # None: clamp(kv/context*512, 2048, 4096) <= kv/2 (pool_configurator.py)
+    chunked_prefill_size: int | None = None     # None: by GPU memory, 8192 on H100/H200 (memory_hook.py); -1 = off
+    max_prefill_tokens: int = 16384             # fields/schedule.py
+    schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof"] = "fcfs"  # fields/schedule.py (was lpm before)
+    schedule_conservativeness: float = 1.0      # fields/schedule.py; scales the initial new_token_ratio
+    page_size: int = 1                          # overrides.py::_page_size_default on CUDA
+    disable_radix_cache: bool = False           # fields/memory.py
+    enable_mixed_chunk: bool = False            # fields/schedule.py
+    disable_overlap_schedule: bool = False      # fields/schedule.py (overlap scheduler on by default)
+    enable_priority_scheduling: bool = False    # fields/schedule.py
+    schedule_low_priority_values_first: bool = False  # fields/schedule.py: default serves HIGHER values first
+    disable_cuda_graph: bool = False            # fields/exec_.py
+    cuda_graph_max_bs_decode: int | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
+    context_length: int | None = None           # None: the model's max_position_embeddings
+
+    def __post_init__(self):
+        if self.mem_fraction_static is not None:
+            check_fraction(self.mem_fraction_static, "mem_fraction_static")
+        for name in ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "page_size",
+                     "cuda_graph_max_bs_decode", "context_length", "schedule_conservativeness"):
+            check_positive(getattr(self, name), name)
+        c = self.chunked_prefill_size
+        if c is not None and c != -1 and c < 1:
+            raise InputError(f"must be > 0 or -1 (disabled), got {c}", field="chunked_prefill_size")
+
+
+def sglang_gpu_defaults(dep: Deployment) -> tuple[int, int]:
+    """(chunked_prefill_size, decode CUDA-graph max_bs) by GPU memory (memory_hook.py)."""
+    mem, small_tp = dep.hardware.memory_bytes / MIB, dep.tp < 4
+    if mem < 20 * 1024:
+        return 2048, 8
+    if mem < 35 * 1024:
+        return 4096, 48 if small_tp else 160
+    if mem < 60 * 1024:
+        return 4096, 32 if small_tp else 160
+    if mem < 160 * 1024:
+        return 8192, 256 if small_tp else 512
+    return 16384, 512
+
+
+def sglang_decode_graph_sizes(max_bs: int) -> tuple[int, ...]:
+    """cuda_graph_hook.py::generate_decode_cuda_graph_batch_sizes (no speculative decoding)."""
+    sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
+    return tuple(sorted({s for s in sizes if s <= max_bs} | {max_bs}))
+
+
+def sglang_mem_fraction_static(dep: Deployment, chunked_prefill_size: int, max_bs: int) -> float:
+    """memory_hook.py: reserve 512 MB + 1.5 MB per activation token + tp*pp/8 GB + CUDA-graph buffers
+    (2 MB per decode bs, 8 MB per prefill graph size), at least 10 GB on GPUs over 60 GB."""
+    mem, cps = dep.hardware.memory_bytes / MIB, chunked_prefill_size
+    prefill_sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+                     *range(1280, 4097, 256), *range(4608, cps + 1, 512)]    # generate_prefill_cuda_graph_batch_sizes
+    reserved = 512 + max(cps, 2048) * 1.5 + dep.tp * dep.pp / 8 * 1024
+    reserved += max_bs * 2 + sum(1 for x in prefill_sizes if x <= cps) * 8
+    if mem > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((mem - reserved) / mem, 3)
+
+
+class _Add(Enum):
+    CONTINUE = 0
+    NO_TOKEN = 1
+    OTHER = 2
+
+
+@dataclass(slots=True)
+class _Adder:
+    """PrefillAdder budgets for one prefill batch (schedule_policy.py)."""
+
+    rem_input: int
+    rem_chunk: int | None
+    offset: float                  # reserved tokens: running decode growth + this batch's admissions
+    count: int = 0
+
+
+@ENGINES.register("sglang")
+class SglangEngine(EnginePolicy):
+    Params = SglangParams
+    vendors = frozenset({"nvidia", "amd", "huawei"})
+    support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
+                      "sgl-kernel-npu ('Ascend NPUs' platform page)")
+    supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
+
+    def __init__(self, params: SglangParams, dep: Deployment):
+        p = params
+        cps, max_bs = sglang_gpu_defaults(dep)
+        self.chunked_prefill_size = p.chunked_prefill_size or cps
+        self.graph_max_bs = p.cuda_graph_max_bs_decode or max_bs
+        act_tokens = self.chunked_prefill_size if self.chunked_prefill_size > 0 else p.max_prefill_tokens
+        self.mem_fraction = p.mem_fraction_static or sglang_mem_fraction_static(dep, act_tokens, self.graph_max_bs)
+        super().__init__(params, dep)
+        kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
+        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sglang",
+                                     rule=f"mem_fraction_static={self.mem_fraction} of total memory")
+        if p.max_total_tokens:
+            tokens = min(tokens, p.max_total_tokens)
+        context = p.context_length or dep.model.max_model_len
+        self.max_running_requests = p.max_running_requests or max(1, min(
+            max(2048, min(4096, int(tokens / context * 512))), tokens // 2))
+        # max_req_len: a request must fit the pool alone, with the adder's one-page margin
+        self.max_model_len = min(context, tokens - p.page_size - 1)
+        cps_on = self.chunked_prefill_size > 0
+        self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests) if cps_on else None
+        self.batch_size_limit = self.max_running_requests
+        self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
+        cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
+        # without the tree, cache-aware policies fall back to fcfs (_validate_and_adjust_policy)
+        self.policy = "fcfs" if cache_aware and p.disable_radix_cache else p.schedule_policy
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * p.schedule_conservativeness, 1.0)
+        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_ratio
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.chunked: Request | None = None
+        self.batch_is_full = False
+        self._entry: dict[int, int] = {}       # request id -> queue-entry sequence (priority tie-break)
+        self._seq = 0
+        self._prefilled: list[Request] = []
+
+    def make_timing(self) -> EngineTiming:
+        p = self.params
+        return EngineTiming(
+            # ESTIMATE: SGLang's Python scheduler spends ~1 ms building a batch and ~0.5 ms processing results
+            # per step; with the overlap scheduler (on by default) it runs while the GPU computes the previous
+            # batch ('zero-overhead batch scheduler', SGLang v0.4 blog, Dec 2024), so only the excess shows.
+            scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=not p.disable_overlap_schedule,
+            cuda_graph_sizes=() if p.disable_cuda_graph else sglang_decode_graph_sizes(self.graph_max_bs),
+            # prefill CUDA graphs up to chunked_prefill_size tokens (memory_hook.py prefill max_bs)
+            graph_padding=True, graph_mixed_steps=not p.disable_cuda_graph and self.chunked_prefill_size > 0)
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.cache.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.capacity
+
+    def prefix_hit_rate(self) -> float:
+        return self.cache.hit_rate()
+
+    def _enqueue(self, req: Request) -> None:
+        self._seq += 1
+        self._entry[req.request_id] = self._seq
+        self.waiting.append(req)
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if req.prompt_len + req.max_tokens > self.max_model_len:
+            # tokenizer_manager validation: input + max_new_tokens must fit the context (HTTP 400)
+            return self.reject(req, f"prompt {req.prompt_len} + max_tokens {req.max_tokens} exceeds the "
+                                    f"max request length {self.max_model_len} (context/KV pool)")
+        self._enqueue(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        hold = req.engine_state
+        if hold is not None:
+            self.cache.commit(hold, req.token_ids[:req.num_computed_tokens])   # cache_finished_req
+            self.cache.release(hold)
+            req.engine_state = None
+        self._entry.pop(req.request_id, None)
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for req in finished:
+            self.release(req)
+        self.batch_is_full = False
+
+    def update(self, out: SchedulerOutput, now: float) -> StepResult:
+        res = super().update(out, now)
+        for req in self._prefilled:   # cache_unfinished_req: the computed prompt becomes matchable at once
+            if req.status is Status.RUNNING and req.engine_state is not None:
+                self.cache.commit(req.engine_state, req.token_ids[:req.num_computed_tokens])
+        self._prefilled = []
+        return res
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: a step is a prefill batch (chunked request first, <= chunked_prefill_size tokens, admitted
+        # only while free + evictable - reserved decode growth covers it) whenever one forms, else one decode
+        # token for every running request; at most one chunked request; len(running) <= max_running_requests.
+        out = SchedulerOutput()
+        if not self.running and self.chunked is None:
+            self.batch_is_full = False     # update_running_batch resets it once the batch is empty
+        if not self._schedule_prefill(out, now):
+            self._schedule_decode(out)
+            if not out.scheduled:          # everything was retracted: prefill what is left
+                self._schedule_prefill(out, now)
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _reserve(self, req: Request) -> int:
+        return min(max(req.max_tokens - req.num_output_tokens, 0), CLIP_MAX_NEW_TOKENS)
+
+    def _schedule_prefill(self, out: SchedulerOutput, now: float) -> bool:
+        if self.chunked is None and (self.batch_is_full or not self.waiting):
+            return False
+        if self.chunked is None and len(self.running) >= self.max_running_requests:
+            self.batch_is_full = True
+            return False
+        self._order_waiting()
+        mixed = list(self.running) if self.params.enable_mixed_chunk else []
+        cps = self.chunked_prefill_size
+        adder = _Adder(self.params.max_prefill_tokens - len(mixed), cps - len(mixed) if cps > 0 else None,
+                       sum(self._reserve(r) for r in self.running) * self.new_token_ratio + len(mixed))
+        admitted: list[tuple[Request, int]] = []
+        if self.chunked is not None:
+            self._add_chunked(adder, admitted)
+        for req in self.waiting:
+            if len(self.running) + adder.count >= self.max_running_requests:
+                self.batch_is_full = True
+                break
+            res = self._add_one(adder, req, admitted)
+            if res is not _Add.CONTINUE:
+                self.batch_is_full = self.batch_is_full or res is _Add.NO_TOKEN
+                break
+        if not admitted:
+            return False
+        self._commit_admissions(admitted, mixed, out, now)
+        return True
+
+    def _rem_total(self, adder: _Adder) -> float:   # free + evictable - reserved
+        return self.cache.available() - adder.offset
+
+    def _add_chunked(self, adder: _Adder, admitted: list) -> None:
+        req = self.chunked
+        rem = int(self._rem_total(adder))
+        if adder.rem_chunk is not None:
+            rem = min(rem, adder.rem_chunk)
+        n = min(req.num_new_tokens, rem)
+        if n <= 0:
+            return
+        whole = n == req.num_new_tokens
+        self._charge(adder, n, self._reserve(req) if whole else 0)
+        admitted.append((req, n))
+
+    def _add_one(self, adder: _Adder, req: Request, admitted: list) -> _Add:
+        hold = self.cache.acquire(req.token_ids, req.num_tokens - 1)   # locks the prefix (_lock_node)
+        extend = req.num_tokens - hold.cached
+        page = self.cache.page
+        total = extend + self._reserve(req) + page
+        if total >= self._rem_total(adder):
+            self.cache.release(hold)
+            return _Add.NO_TOKEN
+        tokens = -(-extend // page) * page
+        if tokens >= adder.rem_input and adder.count:
+            self.cache.release(hold)
+            return _Add.OTHER
+        if adder.rem_chunk is None or tokens <= adder.rem_chunk:
+            n, reserve = extend, self._reserve(req)
+        else:
+            n, reserve = adder.rem_chunk // page * page, 0
+            if n <= 0:
+                self.cache.release(hold)
+                return _Add.OTHER
+        req.engine_state = hold
+        req.num_computed_tokens = hold.cached
+        self._charge(adder, n, reserve)
+        admitted.append((req, n))
+        return self._budget_state(adder)
+
+    def _charge(self, adder: _Adder, n: int, reserve: int) -> None:
+        adder.offset += n + reserve
+        adder.rem_input -= n
+        if adder.rem_chunk is not None:
+            adder.rem_chunk -= n
+        adder.count += 1
+
+    def _budget_state(self, adder: _Adder) -> _Add:
+        if self._rem_total(adder) <= 0:
+            return _Add.NO_TOKEN
+        if adder.rem_input <= 0 or (adder.rem_chunk is not None and adder.rem_chunk <= 0):
+            return _Add.OTHER
+        return _Add.CONTINUE
+
+    def _commit_admissions(self, admitted: list, mixed: list[Request], out: SchedulerOutput, now: float) -> None:
+        """prepare_for_extend: allocate the chunks, move requests between queues, append mixed decodes."""
+        cache, taken = self.cache, set()
+        for req, n in admitted:
+            hold = req.engine_state
+            if not cache.grow(hold, n):     # cannot happen while the adder's accounting holds; be safe
+                if req is not self.chunked:
+                    cache.release(hold)
+                    req.engine_state, req.num_computed_tokens = None, 0
+                continue
+            if req is not self.chunked:
+                taken.add(id(req))
+                cache.record_lookup(req.num_tokens, hold.cached)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hold.cached
+                self.mark_scheduled(req, now)
+            out.scheduled.append((req, n))
+            self._prefilled.append(req)
+            if n == req.num_new_tokens:
+                self.running.append(req)
+                if req is self.chunked:
+                    self.chunked = None
+            elif req is not self.chunked:
+                self.chunked = req
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        if mixed and cache.available() >= len(mixed):   # enable_mixed_chunk: decodes ride along
+            for r in mixed:
+                cache.grow(r.engine_state, 1)
+                out.scheduled.append((r, 1))
+
+    def _order_waiting(self) -> None:
+        p, q = self.params, self.waiting
+        if self.policy == "fcfs":
+            if p.enable_priority_scheduling:
+                sign = 1 if p.schedule_low_priority_values_first else -1
+                q.sort(key=lambda r: (sign * r.priority, self._entry.get(r.request_id, 0)))
+        elif self.policy == "lof":
+            q.sort(key=lambda r: -r.max_tokens)
+        elif self.policy == "lpm" and len(q) <= LPM_QUEUE_LIMIT:
+            self._sort_lpm(q)
+        elif self.policy == "dfs-weight":
+            nodes = [self.cache.match_prefix(r.token_ids, r.num_tokens - 1)[1] for r in q]
+            self.waiting = [q[i] for i in self.cache.dfs_weight_order(nodes)]
+
+    def _sort_lpm(self, q: list[Request]) -> None:
+        """Longest prefix match first; a request with a short tree match whose prompt already matches another
+        waiting request is deferred, so one of a group sharing a new prefix goes first (in-batch caching)."""
+        in_batch = RadixCache(1 << 62)
+        matched: dict[int, float] = {}
+        for r in q:
+            m = self.cache.match_prefix(r.token_ids, r.num_tokens - 1)[0]
+            matched[id(r)] = -m
+            if m <= IN_BATCH_PREFIX_THRESHOLD:
+                tokens = r.token_ids[:r.num_tokens]
+                if in_batch.match_prefix(tokens)[0] >= IN_BATCH_PREFIX_THRESHOLD:
+                    matched[id(r)] = float("inf")
+                else:
+                    in_batch.alloc(len(tokens))
+                    in_batch.insert(tokens)
+        q.sort(key=lambda r: matched[id(r)])
+
+    def _schedule_decode(self, out: SchedulerOutput) -> None:
+        if not self.running:
+            return
+        if self.cache.available() < len(self.running):
+            self._retract(out)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        for req in self.running:
+            if not self.cache.grow(req.engine_state, 1):
+                raise RuntimeError("sglang decode allocation failed after retraction")
+            out.scheduled.append((req, 1))
+
+    def _retract(self, out: SchedulerOutput) -> None:
+        """retract_decode: drop the fewest-output requests (tie: longest prompt) until one decode step fits;
+        one request is kept unless even it cannot fit (real SGLang would fail there)."""
+        order = sorted(self.running, key=lambda r: (r.num_output_tokens, -r.prompt_len), reverse=True)
+        gone = []
+        while len(order) > 1 and (not gone or self.cache.available() < len(order)):
+            gone.append(order.pop())
+            self._retract_one(gone[-1], out)
+        if self.cache.available() < len(order):
+            gone.append(order.pop())
+            self._retract_one(gone[-1], out)
+        out_ids = {id(r) for r in gone}
+        self.running = [r for r in self.running if id(r) not in out_ids]
+        if self.running:
+            decoded = sum(r.num_output_tokens for r in self.running)
+            max_new = sum(r.max_tokens for r in self.running)
+            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
+        self.batch_is_full = False
+
+    def _retract_one(self, req: Request, out: SchedulerOutput) -> None:
+        self.cache.release(req.engine_state)      # its inserted prompt stays in the tree, now evictable
+        req.engine_state = None
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        self._enqueue(req)
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
+        holders = self.running + ([self.chunked] if self.chunked is not None else [])
+        assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"
+        assert len(self.running) <= self.max_running_requests
+        assert all(r.engine_state is None for r in self.waiting), "a waiting request holds KV"

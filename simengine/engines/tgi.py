@@ -1,0 +1,304 @@
+"""TGI v3 router + flash shard (backends/v3/src/{backend,queue,radix}.rs; HEAD db931fc) as read in engines.md §3.
+
+Strict FCFS admission that reserves KV for the worst case up front (prompt + min(max_new, 1024) + speculate - 1,
+minus the radix prefix hit) and never preempts. With prefill chunking (the default for flash models) newly
+admitted prompts are concatenated with the running batch into one mixed forward under max_batch_prefill_tokens
+minus the batch's current tokens, after which a decode forward always follows; without chunking a new batch is
+prefilled on its own (decode pauses) when it is at least waiting_served_ratio of the running batch. Requests
+wanting more than 1024 new tokens are re-queued at the tail after every 1024 with the text generated so far
+appended (the re-prefill is mostly a prefix hit). The radix trie is filled only when a request's allocation is
+freed (its prompt, block-aligned); LRU leaves are evicted, partially if that suffices. More than
+max_concurrent_requests in flight are rejected (HTTP 429). The loop is synchronous: no CPU/GPU overlap.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.errors import InputError
+from simengine.kvcache.radix import RadixCache, RadixHold
+
+DEFAULT_GENERATION_LENGTH = 1024     # router/src/validation.rs: tokens reserved and generated per queue visit
+BLOCK_SIZES = {"flashinfer": 1, "flashdecoding": 256, "paged": 16}   # server/.../models/globals.py BLOCK_SIZE
+
+
+@dataclass(frozen=True, kw_only=True)
+class TgiParams:
+    """text-generation-launcher flags (and the shard's environment variables), dashes as underscores."""
+
+    max_concurrent_requests: int = 128          # launcher/src/main.rs; more in flight -> 429 "Model is overloaded"
+    max_batch_prefill_tokens: int | None = None  # None: compute-optimal = GPU fp16 FLOP/s / model FLOP per token
+    max_batch_total_tokens: int | None = None    # None: inferred from free memory at warmup (flash_causal_lm.warmup)
+    max_batch_size: int | None = None            # launcher/src/main.rs (None = no cap)
+    max_input_tokens: int | None = None          # None: max_total_tokens - 1
+    max_total_tokens: int | None = None          # None: min(KV capacity, max_position_embeddings)
+    waiting_served_ratio: float = 0.3            # launcher/src/main.rs (ignored with prefill chunking)
+    max_waiting_tokens: int = 20                 # launcher/src/main.rs (ignored with prefill chunking)
+    cuda_memory_fraction: float = 1.0            # launcher/src/main.rs
+    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # launcher/src/main.rs; (0,) disables
+    speculate: int = 0                           # launcher/src/main.rs --speculate (None = 0)
+    prefix_caching: bool = True                  # env PREFIX_CACHING (launcher resolve_attention; off on paged)
+    prefill_chunking: bool = True                # env PREFILL_CHUNKING (models/globals.py)
+    attention: Literal["flashinfer", "flashdecoding", "paged"] = "flashinfer"   # env ATTENTION -> block size
+    tgi_wiggle_room: float = 0.90                # env TGI_WIGGLE_ROOM (models/globals.py)
+
+    def __post_init__(self):
+        for name in ("max_concurrent_requests", "max_batch_prefill_tokens", "max_batch_total_tokens",
+                     "max_batch_size", "max_input_tokens", "max_total_tokens", "max_waiting_tokens"):
+            check_positive(getattr(self, name), name)
+        check_positive(self.speculate, "speculate", allow_zero=True)
+        check_positive(self.waiting_served_ratio, "waiting_served_ratio", allow_zero=True)
+        check_fraction(self.cuda_memory_fraction, "cuda_memory_fraction")
+        check_fraction(self.tgi_wiggle_room, "tgi_wiggle_room")
+        if any(s < 0 for s in self.cuda_graphs):
+            raise InputError(f"batch sizes must be >= 0, got {list(self.cuda_graphs)}", field="cuda_graphs")
+
+
+def tgi_compute_optimal_prefill(dep: Deployment) -> int:
+    """launcher/src/main.rs compute_optimal: fp16 FLOP/s of the shards / model FLOP per token (q, k, v, o and
+    attention projections + gated MLP), fallback 4096 when implausible (<= 100), capped by the context."""
+    m = dep.model
+    flop = 2 * m.active_linear_params + 2 * m.num_layers * m.num_heads * m.head_dim * m.hidden_size
+    peak = dep.hardware.peak_flops.get("fp16") or dep.hardware.peak_flops.get("bf16", 0.0)
+    optimal = int(peak * dep.tp / flop) if flop else 0
+    return min(optimal if optimal > 100 else 4096, m.max_model_len)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One queue visit of a request (a 'segment' of at most 1024 new tokens)."""
+
+    hold: RadixHold
+    prompt: int          # tokens of this visit's prompt (original prompt + text generated before)
+    out_start: int       # outputs already generated when this visit started
+    max_new: int         # new tokens this visit may generate (<= 1024)
+
+
+@ENGINES.register("tgi")
+class TgiEngine(EnginePolicy):
+    Params = TgiParams
+    vendors = frozenset({"nvidia", "amd", "intel"})
+    support_source = ("TGI docs 'Supported hardware': NVIDIA CUDA, AMD ROCm (MI210/MI250/MI300), Intel Gaudi "
+                      "(tgi-gaudi backend) and Intel GPUs; also AWS Inferentia (out of scope here)")
+
+    def __init__(self, params: TgiParams, dep: Deployment):
+        p = params
+        self.block = BLOCK_SIZES[p.attention]
+        self.mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(dep)
+        super().__init__(params, dep)
+        free = (p.cuda_memory_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
+                - activation_reserve_bytes(dep, self.mbpt, 1))
+        # warmup: KV = free memory x wiggle room, plus the warmup batch's own blocks (flash_causal_lm.warmup)
+        kv_bytes = p.tgi_wiggle_room * free + self.mbpt * dep.kv_bytes_per_token_per_device if free > 0 else 0.0
+        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="tgi",
+                                     rule=f"cuda_memory_fraction={p.cuda_memory_fraction} x wiggle room "
+                                          f"{p.tgi_wiggle_room} of free memory")
+        if p.max_batch_total_tokens:
+            tokens = min(tokens, p.max_batch_total_tokens)
+        capacity = max(self.block, tokens // self.block * self.block)
+        self.max_total_tokens = min(p.max_total_tokens or capacity, capacity, dep.model.max_model_len)
+        self.max_input_tokens = min(p.max_input_tokens or self.max_total_tokens - 1, self.max_total_tokens - 1)
+        self.max_model_len = self.max_total_tokens
+        self.cache = RadixCache(capacity, page_size=self.block, partial_evict=True,
+                                enabled=p.prefix_caching and p.attention != "paged")
+        self.queue: deque[Request] = deque()
+        self.batch: list[Request] = []
+        self.decode_next = False      # after a mixed/new prefill forward, a decode forward follows
+        self.waiting_tokens = 1
+        self.step_token_limit = max(-(-self.mbpt // self.block) * self.block, p.max_concurrent_requests)
+        # with chunking, max_batch_size only bounds the first (idle) batch; later admissions ignore it (backend.rs)
+        cap = p.max_batch_size if p.max_batch_size and not p.prefill_chunking else p.max_concurrent_requests
+        self.batch_size_limit = min(p.max_concurrent_requests, cap)
+
+    def make_timing(self) -> EngineTiming:
+        return EngineTiming(
+            # ESTIMATE: every forward is a synchronous round trip router -> gRPC -> Python shard -> router:
+            # ~0.3 ms gRPC + protobuf (unix socket) + ~1.2 ms Python input prep (slots, cu_seqlens, batch
+            # concatenation when new entries join) before the forward; after it ~2 ms for sampling bookkeeping,
+            # stopping criteria and incremental detokenization in Python for tens of requests, plus the router's
+            # filter_batch RPC (tgi_batch_concat/filter_duration are timed separately, backend.rs). Nothing
+            # overlaps the GPU (engines.md §3.4); design.md of TRT-LLM puts exposed host costs at 3-17 ms.
+            scheduler_cpu_s=1.5e-3, output_cpu_s=2.0e-3, overlap=False,
+            cuda_graph_sizes=tuple(sorted(s for s in self.params.cuda_graphs if s > 0)),
+            graph_padding=True, graph_mixed_steps=False)   # graphs for decode-only forwards (flash_causal_lm.py)
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.batch)
+
+    def num_waiting(self) -> int:
+        return len(self.queue)
+
+    def kv_usage(self) -> float:
+        return self.cache.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.capacity
+
+    def prefix_hit_rate(self) -> float:
+        return self.cache.hit_rate()
+
+    def add_request(self, req: Request, now: float) -> bool:
+        p = self.params
+        if len(self.queue) + len(self.batch) >= p.max_concurrent_requests:
+            return self.reject(req, f"429 Model is overloaded (max_concurrent_requests={p.max_concurrent_requests})")
+        if req.prompt_len > self.max_input_tokens:
+            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_input_tokens "
+                                    f"{self.max_input_tokens}")
+        if req.prompt_len + req.max_tokens + max(p.speculate - 1, 0) > self.max_total_tokens:
+            return self.reject(req, f"prompt {req.prompt_len} + max_new_tokens {req.max_tokens} exceeds "
+                                    f"max_total_tokens {self.max_total_tokens}")
+        longest_visit = req.prompt_len + (req.max_tokens - 1) // DEFAULT_GENERATION_LENGTH * DEFAULT_GENERATION_LENGTH
+        if not p.prefill_chunking and longest_visit > self.mbpt:
+            return self.reject(req, f"prompt of up to {longest_visit} tokens exceeds max_batch_prefill_tokens "
+                                    f"{self.mbpt} without prefill chunking")
+        self.queue.append(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Free the visit's allocation; its prompt's full blocks enter the radix trie (radix.rs free)."""
+        e: _Entry | None = req.engine_state
+        if e is not None:
+            self.cache.commit(e.hold, req.token_ids[:e.prompt])
+            self.cache.release(e.hold)
+            req.engine_state = None
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.batch = [r for r in self.batch if id(r) not in done]
+        for req in finished:
+            self.release(req)
+
+    def update(self, out: SchedulerOutput, now: float) -> StepResult:
+        res = super().update(out, now)
+        ended = [r for r, _ in out.scheduled if r.status is Status.RUNNING
+                 and r.num_output_tokens - r.engine_state.out_start >= r.engine_state.max_new]
+        for req in ended:       # 1024 tokens generated: back to the tail with the text appended to the prompt
+            self.batch.remove(req)
+            self.release(req)
+            req.num_computed_tokens = 0
+            req.status = Status.WAITING
+            self.queue.append(req)
+        return res
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: every admitted request holds KV for its whole visit (no preemption ever); admission is
+        # strict FCFS from the queue head; a forward's prefill tokens stay within max_batch_prefill_tokens
+        # (minus the running batch's current tokens when chunking); a new-entry forward is followed by a decode.
+        out = SchedulerOutput()
+        running = self._running_tokens()
+        if not self.batch:
+            new = self._next_batch(self.mbpt, self.params.max_batch_size, now)
+            self.decode_next = False          # the loop may admit again before its first decode
+            out.scheduled = new
+        elif self.decode_next:
+            self.decode_next = False
+            out.scheduled = running
+        elif self.params.prefill_chunking:
+            current = sum(n for _, n in running)
+            new = self._next_batch(max(self.mbpt - current, 0), None, now)
+            self.decode_next = bool(new)
+            out.scheduled = running + new     # concatenated with the running batch: one mixed forward
+        else:
+            out.scheduled = self._unchunked_step(running, now)
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _unchunked_step(self, running: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
+        """Non-chunking models: a new batch big enough (waiting_served_ratio) is prefilled alone, pausing decode."""
+        p = self.params
+        size = len(self.batch)
+        min_size = None if self.waiting_tokens >= p.max_waiting_tokens else int(size * p.waiting_served_ratio)
+        max_size = None if p.max_batch_size is None else max(p.max_batch_size - size, 0)
+        new = self._next_batch(self.mbpt, max_size, now, min_size) if max_size != 0 else []
+        if new:
+            self.waiting_tokens = 1
+            self.decode_next = True
+            return new
+        self.waiting_tokens += 1
+        return running
+
+    def _running_tokens(self) -> list[tuple[Request, int]]:
+        """What the batch computes next: one token per decoding request; prefilling requests get the next
+        chunk, budget = max_batch_prefill_tokens - (len(batch) - 1), newest first (flash_causal_lm.py)."""
+        budget = self.mbpt - (len(self.batch) - 1)
+        out = []
+        for req in reversed(self.batch):
+            n = req.num_new_tokens
+            if n > 1 or req.num_output_tokens == 0:
+                n = min(n, max(budget, 0))
+                budget -= n
+            if n > 0:
+                out.append((req, n))
+        out.reverse()
+        return out
+
+    def _next_batch(self, budget: int, max_size: int | None, now: float,
+                    min_size: int | None = None) -> list[tuple[Request, int]]:
+        """queue.rs State::next_batch: from the front, reserve the worst case, stop at the first misfit."""
+        if not self.queue or (min_size is not None and len(self.queue) < min_size):
+            return []
+        budget = -(-budget // self.block) * self.block       # padded to whole blocks
+        picked: list[tuple[Request, _Entry, int, int]] = []
+        prefill = 0
+        for req in self.queue:
+            e = self._allocate(req)
+            if e is None:
+                break           # not enough free blocks even after eviction: the head waits
+            prefix = e.hold.cached - (e.hold.cached == e.prompt)   # at least one prompt token is computed
+            postfix = e.prompt - prefix
+            if prefill + postfix > budget:
+                chunk = budget - prefill
+                if not self.params.prefill_chunking or chunk <= 0:
+                    self.cache.release(e.hold)
+                    break
+                picked.append((req, e, prefix, chunk))
+                break
+            picked.append((req, e, prefix, postfix))
+            prefill += postfix
+            if prefill >= budget or (max_size is not None and len(picked) >= max_size):
+                break
+        if min_size is not None and len(picked) < min_size:
+            for _, e, _, _ in picked:           # batch too small: nothing was handed out yet
+                self.cache.release(e.hold)
+            return []
+        for req, e, prefix, _ in picked:
+            self.queue.popleft()
+            self._admit(req, e, prefix, now)
+        return [(req, n) for req, _, _, n in picked]
+
+    def _allocate(self, req: Request) -> _Entry | None:
+        """radix.rs RadixAllocator::allocate: match the prompt, lock it, reserve blocks for the rest."""
+        prompt = req.num_tokens
+        max_new = min(req.max_tokens - req.num_output_tokens, DEFAULT_GENERATION_LENGTH)
+        tokens = prompt + max_new + self.params.speculate - 1
+        hold = self.cache.acquire(req.token_ids, prompt)
+        need = -(-(tokens - hold.cached) // self.block) * self.block
+        if not self.cache.grow(hold, need):
+            self.cache.release(hold)
+            return None
+        return _Entry(hold, prompt, req.num_output_tokens, max_new)
+
+    def _admit(self, req: Request, e: _Entry, prefix: int, now: float) -> None:
+        req.engine_state = e
+        req.num_computed_tokens = prefix
+        self.cache.record_lookup(e.prompt, prefix)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = prefix
+        self.mark_scheduled(req, now)
+        self.batch.append(req)
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
+        assert sum(r.engine_state.hold.private for r in self.batch) == self.cache.req_tokens, "private slot leak"
+        assert all(r.engine_state is None for r in self.queue), "a queued request holds KV"
+        assert len(self.batch) <= self.params.max_concurrent_requests
