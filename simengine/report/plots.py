@@ -63,10 +63,16 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
     return path
 
 
-def _cdf(ax, values: np.ndarray, label: str) -> None:
+def _cdf(ax, values: np.ndarray, label: str, color) -> None:
     v = np.sort(values[~np.isnan(values)])
     if len(v):
-        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label)
+        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label, color=color)
+
+
+def engine_colors(labels: list[str]) -> dict[str, tuple]:
+    """One distinct colour per engine label (tab10 up to 10 engines, tab20 beyond)."""
+    cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    return {lb: cmap(i % cmap.N) for i, lb in enumerate(labels)}
 
 
 def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries: dict[str, dict], title: str,
@@ -75,21 +81,23 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     (a_ttft, a_tpot, a_thr), (a_kv, a_tl, a_tpl) = axes
     labels = list(frames)
+    colors = engine_colors(labels)
     for label, (req, steps) in frames.items():
+        c = colors[label]
         done = req[req["status"] == "completed"].sort_values("arrival_s")
-        _cdf(a_ttft, done["ttft_ms"].to_numpy(), label)
-        _cdf(a_tpot, done["tpot_ms"].to_numpy(), label)
+        _cdf(a_ttft, done["ttft_ms"].to_numpy(), label, c)
+        _cdf(a_tpot, done["tpot_ms"].to_numpy(), label, c)
         if len(steps):
             s = steps.groupby("end_s").agg(kv=("kv_usage", "mean")).reset_index()
-            a_kv.plot(s["end_s"], s["kv"] * 100, label=label, alpha=0.8)
+            a_kv.plot(s["end_s"], s["kv"] * 100, label=label, alpha=0.8, color=c)
         d = done.dropna(subset=["ttft_ms"])
         if len(d):
-            a_tl.plot(d["arrival_s"], _rolling(d, "ttft_ms", 0.5), label=label)
+            a_tl.plot(d["arrival_s"], _rolling(d, "ttft_ms", 0.5), label=label, color=c)
         d = done.dropna(subset=["tpot_ms"])
         if len(d):
-            a_tpl.plot(d["arrival_s"], _rolling(d, "tpot_ms", 0.5), label=label)
+            a_tpl.plot(d["arrival_s"], _rolling(d, "tpot_ms", 0.5), label=label, color=c)
     x = np.arange(len(labels))
-    a_thr.bar(x, [summaries[lb]["output_throughput"] for lb in labels], color="tab:blue")
+    a_thr.bar(x, [summaries[lb]["output_throughput"] for lb in labels], color=[colors[lb] for lb in labels])
     a_thr.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     a_thr.set_ylabel("output tokens/s")
     a_thr.set_title("output throughput")
@@ -106,6 +114,7 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     a_tl.set_xlabel("arrival time (s)")
     a_tl.set_ylabel("TTFT (ms)")
     a_tpl.set_title("TPOT rolling median by arrival")
+    a_tpl.set_yscale("log")
     a_tpl.set_xlabel("arrival time (s)")
     a_tpl.set_ylabel("TPOT (ms/token)")
     for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
