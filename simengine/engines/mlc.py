@@ -1,0 +1,367 @@
+"""MLC-LLM serve engine (cpp/serve, main) as read in ../shared/reference/engines.md §6 and the MLC sources below.
+
+Each step tries NewRequestPrefill, then BatchDecode, and runs the first that processes anything: prefill has
+priority (engine_actions/action_commons.cc). Admission walks the waiting queue FCFS while the inputs fit
+prefill_chunk_size, free pages (+1 per sequence) and an 8-decode-step watermark on the total sequence length
+(batch_prefill_base.cc CanPrefill); a prompt that does not fit whole is chunked to the rest of the chunk and
+admission stops. prefill_mode hybrid folds every running decode into the prefill forward. BatchDecode preempts the
+last running request (recompute) after freeing recycling sequences. The radix prefix cache of sequences keeps
+finished sequences as "recycling" (at most prefix_cache_max_num_recycling_seqs), freed LRU-first (prefix_cache.cc);
+here it is the hashed-page KVCacheManager with only pages of live or recycling sequences matchable (docs/engines/
+mlc.md: the equivalence). Synchronous loop; CUDA graphs (compile --opt O2) for decode steps on CUDA only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Literal
+
+from simengine.config.loader import check_fraction, check_positive
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.cost.timing import EngineTiming
+from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.llamacpp import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
+from simengine.engines.memory import Deployment, kv_tokens_or_refuse
+from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
+
+MIB = 2**20
+METAL_KV_CAP = 32768   # config.cc: Metal runtime limits the KV capacity to 32768 tokens
+DECODE_WATERMARK = 8   # batch_prefill_base.cc HasPrefillSpace: room for 8 decode steps per sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlcParams:
+    """`mlc_llm serve` options and EngineConfig fields (cpp/serve/config.h, python/mlc_llm/serve/config.py)."""
+
+    mode: Literal["local", "interactive", "server"] = "local"  # --mode (cli/serve.py)
+    # None below: inferred per mode by config.cc EstimateMemoryUsageOnMode (the rules in docs/engines/mlc.md)
+    max_num_sequence: int | None = None             # local min(4, max_batch_size), interactive 1, server max_batch_size
+    max_total_sequence_length: int | None = None    # KV tokens: local min(mem, ctx, 8192), interactive min(mem, ctx),
+                                                    # server min(mem, max_num_sequence x ctx)
+    prefill_chunk_size: int | None = None           # local/interactive min(compiled, total, ctx); server compiled
+    max_single_sequence_length: int | None = None   # the model's context_window_size (config.cc GetModelConfigLimits)
+    max_batch_size: int = 128                       # compiled max batch size (gen_config default, engines.md §6.3)
+    compiled_prefill_chunk_size: int | None = None  # None: min(context window, 8192) (model/llama/llama_model.py)
+    gpu_memory_utilization: float = 0.85            # EngineConfig default, fraction of TOTAL memory (config.cc)
+    kv_cache_page_size: int = 16                    # EngineConfig default
+    prefill_mode: Literal["hybrid", "chunked"] = "hybrid"     # EngineConfig default
+    prefix_cache_mode: Literal["radix", "disable"] = "radix"  # EngineConfig default
+    prefix_cache_max_num_recycling_seqs: int | None = None    # None: max_num_sequence (config.cc FromJSONAndInferred..)
+    opt: Literal["O0", "O1", "O2", "O3"] = "O2"     # compile --opt; O2/O3 enable cudagraph on CUDA (compiler_flags.py)
+
+    def __post_init__(self):
+        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
+        for name in ("max_num_sequence", "max_total_sequence_length", "prefill_chunk_size", "max_batch_size",
+                     "max_single_sequence_length", "compiled_prefill_chunk_size", "kv_cache_page_size",
+                     "prefix_cache_max_num_recycling_seqs"):
+            check_positive(getattr(self, name), name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlcConfig:
+    """The engine config MLC infers for a mode and a device (config.cc EstimateMemoryUsageOnMode)."""
+
+    max_num_sequence: int
+    max_total_sequence_length: int
+    prefill_chunk_size: int
+    max_single_sequence_length: int
+    memory_tokens: int           # KV tokens gpu_memory_utilization leaves after params and workspaces
+
+
+def mlc_memory_tokens(p: MlcParams, dep: Deployment, seqs: int, compiled_chunk: int) -> int:
+    """(memory x gpu_memory_utilization - params - temp buffer - workspaces) / KV bytes per token (config.cc)."""
+    m, tp = dep.model, dep.tp
+    nq, nkv, hd = m.num_heads / tp, max(1.0, m.num_kv_heads / tp), m.head_dim
+    kv_aux = (seqs + 1) * 88 + compiled_chunk * (nq + 1) * 8 + compiled_chunk * hd * (nq + nkv) * 4 + 48 * MIB
+    model_ws = compiled_chunk * 4 + seqs * 4 + (compiled_chunk * 2 + seqs) * hd * nq * 2
+    logit_ws = seqs * 20 + seqs * m.vocab_size * 16.125
+    # ESTIMATE: the compiled prefill's planned temp buffer per chunk token ~ the 16-bit gate/up output plus two
+    # hidden-state buffers (TVM's static planner reuses the rest), a few hundred MB at chunk 2048 for 8B models
+    # as MLC's "Temporary buffer" log line shows; MLC doubles it "for safety" (config.cc InferForKVCache).
+    temp = 2 * compiled_chunk * 2.0 * (2 * m.intermediate_size / tp + 2 * m.hidden_size)
+    budget = (p.gpu_memory_utilization * gpu_visible_bytes(dep.hardware) - dep.weight_bytes_per_device - temp
+              - kv_aux - model_ws - logit_ws)
+    per_token = dep.kv_bytes_per_token_per_device
+    tokens = kv_tokens_or_refuse(dep, budget * per_token / (per_token + 1.25), engine="mlc",  # +1.25 B page table
+                                 rule=f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
+    return min(tokens, METAL_KV_CAP) if dep.hardware.vendor == "apple" else tokens
+
+
+def mlc_engine_config(p: MlcParams, dep: Deployment) -> MlcConfig:
+    ctx = p.max_single_sequence_length or dep.model.max_model_len
+    compiled = p.compiled_prefill_chunk_size or min(ctx, 8192)
+    seqs = p.max_num_sequence or {"local": min(4, p.max_batch_size), "interactive": 1}.get(p.mode, p.max_batch_size)
+    mem = mlc_memory_tokens(p, dep, seqs, compiled)
+    total = {"local": min(mem, ctx, 8192), "interactive": min(mem, ctx)}.get(p.mode, min(mem, seqs * ctx))
+    total = min(p.max_total_sequence_length, mem) if p.max_total_sequence_length else total
+    chunk = p.prefill_chunk_size or (compiled if p.mode == "server" else min(compiled, total, ctx))
+    return MlcConfig(max_num_sequence=seqs, max_total_sequence_length=total, prefill_chunk_size=chunk,
+                     max_single_sequence_length=ctx, memory_tokens=mem)
+
+
+@ENGINES.register("mlc")
+class MlcEngine(EnginePolicy):
+    Params = MlcParams
+    vendors = frozenset({"nvidia", "amd", "apple", "intel", "qualcomm"})
+    device_classes = ALL_CLASSES
+    support_source = ("MLC-LLM docs (install, deploy): CUDA incl. Jetson, ROCm, Vulkan (AMD/Intel/NVIDIA), Metal "
+                      "(Apple), OpenCL on Android (Qualcomm Adreno), WebGPU; no Ascend or Gaudi backend")
+
+    def __init__(self, params: MlcParams, dep: Deployment):
+        refuse_gaudi(dep.hardware, "mlc")
+        self.cfg = c = mlc_engine_config(params, dep)
+        self.step_token_limit, self.batch_size_limit = c.prefill_chunk_size, c.max_num_sequence
+        super().__init__(params, dep)
+        self.max_model_len = c.max_single_sequence_length
+        page = params.kv_cache_page_size
+        self.kv = KVCacheManager(-(-c.max_total_sequence_length // page), page,
+                                 enable_prefix_caching=params.prefix_cache_mode == "radix")
+        self.running: list[Request] = []        # running_queue: admission order, incl. a request mid-prefill
+        self.waiting: deque[Request] = deque()  # waiting_queue: a request mid-prefill stays in it
+        self.prefilling: set[int] = set()       # running requests with input left (in both queues)
+        self.recycling: OrderedDict[int, Request] = OrderedDict()  # finished sequences kept, least recent first
+        self.recycle_cap = params.prefix_cache_max_num_recycling_seqs or c.max_num_sequence
+        self.query_tokens = self.hit_tokens = 0
+
+    def make_timing(self) -> EngineTiming:
+        hw, c = self.dep.hardware, self.cfg
+        graphs = hw.vendor == "nvidia" and self.params.opt in ("O2", "O3")
+        return EngineTiming(
+            # ESTIMATE: C++ action loop + TVM VM dispatch to prepare a step ~0.3 ms; GPU sampling, C++
+            # detokenizer and stream callback ~0.3 ms. No overlap: each step is synchronous (engines.md §6.4).
+            scheduler_cpu_s=0.3e-3, output_cpu_s=0.3e-3, overlap=False, kernel_launch_s=launch_cost_s(hw),
+            # TVM's CUDA-graph rewrite captures the decode function lazily per batch shape: every decode size is
+            # covered without padding; prefill and hybrid forwards run without graphs.
+            cuda_graph_sizes=tuple(range(1, c.max_num_sequence + 1)) if graphs else (),
+            graph_padding=False, graph_mixed_steps=False)
+
+    # ---- queues -------------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) - len(self.prefilling)
+
+    def _decodes(self) -> list[Request]:
+        """GetRunningRequestStateEntries: running sequences whose input is all prefilled."""
+        return [r for r in self.running if r.request_id not in self.prefilling]
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def prefix_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def _fits_ever(self, num_tokens: int) -> bool:
+        """Whether a lone sequence of num_tokens passes the watermark and page checks (+1 page per sequence; a
+        chunked input may round up one more page per chunk)."""
+        c = self.cfg
+        chunks = -(-num_tokens // c.prefill_chunk_size)
+        pages = self.kv.blocks_for(num_tokens) + 1 + (chunks if chunks > 1 else 0)
+        return num_tokens + DECODE_WATERMARK <= c.max_total_sequence_length and pages <= self.kv.num_blocks
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.check_length(req):
+            return False
+        if not self._fits_ever(req.prompt_len):
+            return self.reject(req, f"prompt of {req.prompt_len} tokens plus the {DECODE_WATERMARK}-step decode "
+                                    f"watermark exceeds max_total_sequence_length {self.cfg.max_total_sequence_length}"
+                                    f" (mode={self.params.mode}); MLC would keep it waiting forever")
+        self.waiting.append(req)
+        return True
+
+    def release(self, req: Request) -> None:
+        """RemoveRequestStateEntry: a finished sequence is recycled (kept for reuse) or removed."""
+        self.running.remove(req)
+        if self.params.prefix_cache_mode != "radix":
+            self.kv.free(req)
+            return
+        if len(self.recycling) >= self.recycle_cap:
+            self._try_free_memory()
+        self.recycling[req.request_id] = req
+
+    def update(self, out: SchedulerOutput, now: float) -> StepResult:
+        """Shared update, then MLC's "length" finish at max_single_sequence_length."""
+        res = super().update(out, now)
+        for req, _ in out.scheduled:
+            if req.status is Status.RUNNING and req.num_output_tokens and req.num_tokens >= self.max_model_len:
+                req.status, req.finish_s = Status.FINISHED, now
+                req.fail_reason = (f"finish_reason=length at max_single_sequence_length {self.max_model_len} after "
+                                   f"{req.num_output_tokens} of {req.output_len} tokens")
+                res.finished.append(req)
+                self.on_finished([req], now)
+        return res
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        # Invariant: a step is NewRequestPrefill (+ every running decode when hybrid) whenever a waiting request
+        # can be admitted, else BatchDecode of the running decodes; tokens <= prefill_chunk_size, running
+        # sequences <= max_num_sequence, total sequence length + 8 per sequence <= max_total_sequence_length.
+        out = SchedulerOutput()
+        if not self._prefill(out, now):
+            self._decode(out)
+        while out.is_empty and self.running:
+            # Only requests mid-prefill run and the queue head blocks them: MLC's BatchDecode would fail its check
+            # "none of the prefill phase of the running requests is finished"; preempt the last one and retry.
+            self._preempt(self.running[-1], out)
+            self._prefill(out, now)
+        out.shape = self.make_shape(out.scheduled)
+        return out
+
+    def _total_seq_len(self) -> int:
+        """GetCurrentTotalSequenceLength: every sequence in the KV cache at its full length (forks count whole)."""
+        return (sum(r.num_computed_tokens for r in self.running)
+                + sum(r.num_computed_tokens for r in self.recycling.values()))
+
+    def _has_space(self, pages: int, batch: int, total_in: int) -> bool:
+        c = self.cfg
+        return (pages + batch <= self.kv.pool.num_free
+                and self._total_seq_len() + total_in + DECODE_WATERMARK * batch <= c.max_total_sequence_length)
+
+    def _can_prefill(self, batch: int, total_in: int, pages: int) -> bool:
+        c = self.cfg
+        if batch > min(c.max_num_sequence, c.prefill_chunk_size):
+            return False
+        return total_in <= c.prefill_chunk_size and self._has_space(pages, batch, total_in)
+
+    def _pick_prefills(self, n_dec: int) -> list[tuple[Request, int]]:
+        """GetRequestStateEntriesToPrefill: whole inputs FCFS (attempt 1), else one chunk and stop (attempt 2)."""
+        chunk, page = self.cfg.prefill_chunk_size, self.kv.block_size
+        total_in = total_pages = n_dec
+        picked: list[tuple[Request, int]] = []
+        for req in self.waiting:
+            length = req.num_tokens - req.num_computed_tokens
+            total_in += length
+            total_pages += -(-length // page)
+            while not self._has_space(total_pages, n_dec + len(picked), total_in) and self._try_free_memory():
+                pass
+            if self._can_prefill(n_dec + len(picked) + 1, total_in, total_pages):
+                picked.append((req, length))
+                continue
+            total_in -= length
+            total_pages -= -(-length // page)
+            if chunk - total_in >= length or chunk == total_in:
+                break  # not a chunk-size problem, or the chunk is full: chunking cannot help
+            length = chunk - total_in
+            if self._can_prefill(n_dec + len(picked) + 1, total_in + length, total_pages + -(-length // page)):
+                picked.append((req, length))
+            break
+        return picked
+
+    def _prefill(self, out: SchedulerOutput, now: float) -> bool:
+        """NewRequestPrefill; False when it processes nothing (then BatchDecode runs)."""
+        decodes = self._decodes()
+        if len(decodes) > self.kv.pool.num_free or not self.waiting:
+            return False  # even decode cannot run, or nothing to prefill
+        picked = self._pick_prefills(len(decodes))
+        if not picked:
+            return False
+        hits = [self._match(r) if not self.kv.num_blocks_of(r) else NO_HIT for r, _ in picked]  # before any insert
+        if self.params.prefill_mode == "hybrid":
+            for r in decodes:
+                self.kv.allocate_slots(r, 1)
+                out.scheduled.append((r, 1))
+        for (req, length), hit in zip(picked, hits, strict=True):
+            left = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+            n = min(length, left)
+            if not self.kv.allocate_slots(req, n, hit):
+                break  # unreachable under the conservative page check; stop admitting
+            if hit.num_tokens:
+                self._reuse_recycling(hit)
+            req.num_computed_tokens += hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            if req.status is not Status.RUNNING:
+                self.running.append(req)  # UpdateRequestToAlive: joins running_queue at its first chunk
+                self.mark_scheduled(req, now)
+            if n == left:
+                self.waiting.popleft()    # RemoveProcessedRequests: picked requests are the queue's head
+                self.prefilling.discard(req.request_id)
+            else:
+                self.prefilling.add(req.request_id)
+            out.scheduled.append((req, n))
+        return not out.is_empty
+
+    def _match(self, req: Request) -> PrefixHit:
+        """Longest prefix held by a live or recycling sequence, in whole pages, leaving one token to compute."""
+        if self.params.prefix_cache_mode != "radix":
+            return NO_HIT
+        bs, pool = self.kv.block_size, self.kv.pool
+        max_blocks = (req.num_tokens - 1) // bs
+        blocks = []
+        for h in extend_block_hashes(req, bs, max_blocks * bs)[:max_blocks]:
+            b = pool.lookup(h)
+            if b is None or not pool.ref_cnt[b]:   # a page no sequence holds left the radix tree
+                break
+            blocks.append(b)
+        self.query_tokens += req.num_tokens
+        self.hit_tokens += len(blocks) * bs
+        return PrefixHit(blocks, len(blocks) * bs)
+
+    def _reuse_recycling(self, hit: PrefixHit) -> None:
+        """InsertSequence: a match ending in a recycling sequence takes the shortest one over (its tail rolls
+        back); otherwise the request forked an active sequence (shared pages)."""
+        k, best = len(hit.blocks), None
+        for rid in self.recycling:
+            blocks = self.kv.req_blocks.get(rid, [])
+            if blocks[:k] == hit.blocks and (best is None or len(blocks) < len(self.kv.req_blocks[best])):
+                best = rid
+        if best is not None:
+            self.kv.free(self.recycling.pop(best))
+
+    def _try_free_memory(self) -> bool:
+        """TryFreeMemory: remove the least recently used recycling sequence."""
+        if not self.recycling:
+            return False
+        self.kv.free(self.recycling.popitem(last=False)[1])
+        return True
+
+    def _decode(self, out: SchedulerOutput) -> None:
+        """BatchDecode: free recycling sequences, then preempt the last running request until every decode has a
+        page; decode all of them (at most min(max_num_sequence, prefill_chunk_size))."""
+        decodes = self._decodes()
+        while len(decodes) > self.kv.pool.num_free:
+            if self._try_free_memory():
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if decodes and victim is decodes[-1]:
+                decodes.pop()
+        for r in decodes[:min(self.cfg.max_num_sequence, self.cfg.prefill_chunk_size)]:
+            self.kv.allocate_slots(r, 1)
+            out.scheduled.append((r, 1))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """PreemptLastRunningRequestStateEntry: drop its KV (not recycled), recompute from the front of waiting."""
+        self.running.remove(req)
+        self.kv.free(req)
+        queued = req.request_id in self.prefilling  # mid-prefill: still queued, restarts its input there
+        self.prefilling.discard(req.request_id)
+        req.num_computed_tokens = 0
+        if not self._fits_ever(req.num_tokens):
+            if queued:
+                self.waiting.remove(req)
+            self.reject(req, f"sequence of {req.num_tokens} tokens outgrew max_total_sequence_length "
+                             f"{self.cfg.max_total_sequence_length}; MLC would preempt and re-prefill it forever")
+            out.rejected.append(req)
+            return
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        if not queued:
+            self.waiting.appendleft(req)
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()
+        assert len(self.running) <= self.cfg.max_num_sequence
+        assert len(self.recycling) <= self.recycle_cap
+        assert all(r.status is Status.RUNNING for r in self.running)
+        assert all(r.status is Status.FINISHED for r in self.recycling.values())
+        assert self.num_waiting() >= 0 and len({id(r) for r in self.running}) == len(self.running)

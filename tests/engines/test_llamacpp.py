@@ -1,0 +1,238 @@
+"""llama.cpp server policy driven by hand: slots, slot choice, iteration shape, ubatch forwards, KV limits."""
+
+import numpy as np
+import pytest
+
+from simengine.api import run_engine
+from simengine.config.loader import from_dict
+from simengine.config.scenario import EngineEntry, Scenario
+from simengine.core.request import Status
+from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
+from simengine.errors import InputError
+from simengine.sim.runner import build_engine
+from tests.conftest import make_dep, make_request
+
+
+def engine(dep=None, **params) -> LlamaCppEngine:
+    return LlamaCppEngine(LlamaCppParams(**params), dep or make_dep())
+
+
+def run_step(eng, now=0.0, dt=0.01):
+    out = eng.schedule(now)
+    return out, eng.update(out, now + dt)
+
+
+def run_until_done(eng, reqs, now=0.0):
+    while not all(r.is_finished for r in reqs):
+        _, _ = run_step(eng, now)
+        now += 0.01
+    return now
+
+
+def slot_of(eng, req):
+    return next(s.id for s in eng.slots if s.req is req)
+
+
+def test_defaults_four_unified_slots_and_model_context():
+    eng = engine()
+    assert (eng.n_parallel, eng.kv_unified) == (4, True)
+    assert eng.n_ctx == eng.n_ctx_slot == 131072          # -c 0: training context, fits an H100
+    assert (eng.n_batch, eng.n_ubatch) == (2048, 512)
+    assert engine(n_parallel=1).n_parallel == 4           # -np 1 without -kvu is the auto case (server.cpp)
+    two = engine(n_parallel=2)
+    assert not two.kv_unified and two.n_ctx_slot == two.n_ctx // 2
+
+
+def test_fit_shrinks_the_context_on_a_small_device_or_refuses():
+    small = engine(make_dep("jetson_orin_nano", weight_dtype="q4_0"))
+    assert 4096 <= small.n_ctx < 131072
+    with pytest.raises(InputError, match="--fit would move layers to the CPU"):
+        engine(make_dep("jetson_orin_nano", model="llama-2-70b", weight_dtype="q4_0"))
+
+
+def test_deployment_refusals_name_the_field():
+    with pytest.raises(InputError, match=r"deployment.weight_dtype.*q8_0, q4_0"):
+        engine(make_dep(weight_dtype="fp8"))
+    with pytest.raises(InputError, match="deployment.tp"):
+        engine(make_dep(tp=2))
+    with pytest.raises(InputError, match="Gaudi"):
+        engine(make_dep("gaudi3"))
+    with pytest.raises(InputError, match="context_shift"):
+        LlamaCppParams(context_shift=True)
+    with pytest.raises(InputError, match="slot_prompt_similarity"):
+        LlamaCppParams(slot_prompt_similarity=1.5)
+
+
+def test_runs_on_every_device_class_with_a_source():
+    for hw in ("apple_m2_ultra", "snapdragon_8_elite", "jetson_agx_orin_64g", "mi300x", "ascend_910b3", "arc_pro_b60"):
+        eng = build_engine(EngineEntry(engine="llamacpp"), make_dep(hw, model="llama-2-7b", weight_dtype="q4_0"))
+        assert eng.num_running() == 0
+    assert {"edge", "mobile"} <= LlamaCppEngine.device_classes and "qualcomm" in LlamaCppEngine.vendors
+    assert "Metal" in LlamaCppEngine.support_source
+
+
+def test_iteration_decodes_first_then_prompts_in_slot_order_in_ubatch_forwards():
+    eng = engine(n_parallel=2, kv_unified=True, batch_size=64, ubatch_size=32)
+    a, b = make_request(40, 3), make_request(100, 3)
+    eng.add_request(a, 0.0)
+    eng.add_request(b, 0.0)
+    out, _ = run_step(eng)
+    assert (slot_of(eng, a), slot_of(eng, b)) == (1, 0)    # LRU ties go to the later slot
+    assert out.scheduled == [(b, 32)]                      # slot 0's prompt fills n_batch=64 -> 2 forwards of 32
+    out, _ = run_step(eng, 0.01)
+    assert out.scheduled == [(b, 32)] and b.num_output_tokens == 0
+    out, _ = run_step(eng, 0.02)                           # next iteration: b's last 36, a's first 28 (= 64)
+    assert out.scheduled == [(b, 32)]
+    out, _ = run_step(eng, 0.03)
+    assert dict(out.scheduled) == {b: 4, a: 28}            # b's sampled token sits in the last forward
+    assert b.num_output_tokens == 1 and b.first_token_s == pytest.approx(0.04)
+    out, _ = run_step(eng, 0.04)
+    assert out.scheduled == [(b, 1), (a, 12)]              # decode first, then the rest of a's prompt
+    assert out.shape.num_decode == 1 and out.shape.prefill_chunks == [(12, 28)]
+
+
+def test_no_continuous_batching_waits_for_generation_to_end():
+    eng = engine(n_parallel=2, kv_unified=True, cont_batching=False)
+    a = make_request(20, 3)
+    eng.add_request(a, 0.0)
+    run_step(eng)
+    eng.add_request(make_request(30, 3), 0.01)
+    out, _ = run_step(eng, 0.01)
+    assert out.scheduled == [(a, 1)]                       # prompts join only a batch without decodes
+
+
+def test_slot_chosen_by_prompt_similarity_keeps_its_cached_prefix():
+    eng = engine(n_parallel=2, kv_unified=True, cache_ram=0)
+    a = make_request(64, 2)
+    eng.add_request(a, 0.0)
+    now = run_until_done(eng, [a])
+    a_slot = next(s for s in eng.slots if len(s.cache))
+    follow = make_request(96, 2, tokens=np.concatenate([a.token_ids[:64], np.arange(32) + 7]))
+    other = make_request(96, 2)
+    eng.add_request(follow, now)
+    eng.add_request(other, now)
+    run_step(eng, now)
+    assert slot_of(eng, follow) == a_slot.id and follow.num_cached_tokens == 64
+    assert other.num_cached_tokens == 0
+    assert eng.prefix_hit_rate() == pytest.approx(64 / (64 + 96 + 96))
+
+
+def test_a_fully_cached_prompt_still_recomputes_one_token():
+    eng = engine(n_parallel=1, kv_unified=True, cache_ram=0)
+    a = make_request(50, 2)
+    eng.add_request(a, 0.0)
+    now = run_until_done(eng, [a])
+    again = make_request(50, 2, tokens=a.token_ids[:50])
+    eng.add_request(again, now)
+    out, _ = run_step(eng, now)
+    assert again.num_cached_tokens == 49 and out.scheduled == [(again, 1)]
+
+
+def test_ram_prompt_cache_restores_a_conversation_after_its_slot_was_reused():
+    def turn_two(with_ram: bool) -> int:
+        eng = engine(n_parallel=1, kv_unified=True, **({} if with_ram else {"cache_ram": 0}))
+        a = make_request(200, 5, seed=1)
+        eng.add_request(a, 0.0)
+        now = run_until_done(eng, [a])
+        b = make_request(150, 3, seed=2)                   # unrelated: takes the only slot (LRU), a is saved
+        eng.add_request(b, now)
+        now = run_until_done(eng, [b], now)
+        history = a.token_ids[:a.prompt_len + a.output_len - 1]
+        a2 = make_request(len(history) + 40, 3, tokens=np.concatenate([history, np.arange(40) + 9]))
+        eng.add_request(a2, now)
+        run_step(eng, now)
+        return a2.num_cached_tokens
+    assert turn_two(with_ram=True) == 200 + 5 - 1            # prompt + outputs fed to the KV
+    assert turn_two(with_ram=False) == 0
+
+
+def test_generation_stops_at_the_slot_context_when_shift_is_off():
+    eng = engine(n_parallel=1, kv_unified=True, ctx_size=256)
+    r = make_request(200, 100)
+    eng.add_request(r, 0.0)
+    run_until_done(eng, [r])
+    assert r.status is Status.FINISHED and r.num_output_tokens == 56 and "truncated" in r.fail_reason
+    assert eng.num_truncated == 1 and eng.num_running() == 0
+
+
+def test_prompt_at_the_slot_context_is_rejected():
+    eng = engine(n_parallel=2, ctx_size=512)               # per-slot streams of 256 cells
+    r = make_request(256, 2)
+    assert not eng.add_request(r, 0.0) and "exceeds the available context size" in r.fail_reason
+
+
+def test_full_unified_kv_purges_idle_slots_first():
+    eng = engine(n_parallel=2, kv_unified=True, ctx_size=256, cache_ram=0)
+    a = make_request(150, 2)
+    eng.add_request(a, 0.0)
+    now = run_until_done(eng, [a])
+    b = make_request(200, 2)
+    eng.add_request(b, now)
+    out, _ = run_step(eng, now)
+    assert out.scheduled == [(b, 200)] and not out.rejected
+    assert all(len(s.cache) == 0 for s in eng.slots)       # a's 151 cached cells were purged to place b
+
+
+def test_full_unified_kv_fails_every_processing_slot_no_preemption():
+    eng = engine(n_parallel=2, kv_unified=True, ctx_size=256)
+    a, b = make_request(100, 200), make_request(100, 200)
+    for r in (a, b):
+        eng.add_request(r, 0.0)
+    now, rejected = 0.0, []
+    while not rejected:
+        out, _ = run_step(eng, now)
+        now += 0.01
+        assert not out.preempted
+        rejected = out.rejected
+    assert set(rejected) == {a, b} and all("Context size has been exceeded" in r.fail_reason for r in rejected)
+    assert a.num_output_tokens == b.num_output_tokens == 29  # 2 x (100 + 28) + 2 > 256 cells
+    assert eng.num_running() == 0 and eng.kv_usage() == 0
+    eng.check_invariants()
+
+
+def test_fifo_queue_when_no_slot_is_idle():
+    eng = engine(n_parallel=1, kv_unified=True)
+    reqs = [make_request(30, 2) for _ in range(3)]
+    for r in reqs:
+        eng.add_request(r, 0.0)
+    run_step(eng)
+    assert eng.num_running() == 1 and eng.num_waiting() == 2 and reqs[0].status is Status.RUNNING
+    now = run_until_done(eng, reqs[:1])
+    run_step(eng, now)
+    assert reqs[1].status is Status.RUNNING and reqs[2].status is Status.WAITING
+
+
+def test_cuda_graph_only_for_single_token_batches():
+    eng = engine(n_parallel=2, kv_unified=True)
+    eng.add_request(make_request(20, 5), 0.0)
+    run_step(eng)
+    out, _ = run_step(eng, 0.01)
+    assert out.shape.num_decode == 1 and out.shape.cuda_graph
+    eng.add_request(make_request(20, 5), 0.02)
+    run_step(eng, 0.02)
+    out, _ = run_step(eng, 0.03)
+    assert out.shape.num_decode == 2 and not out.shape.cuda_graph
+    metal = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_0"))
+    assert metal.timing.cuda_graph_sizes == () and metal.timing.kernel_launch_s > 0
+
+
+def _scenario(**deployment) -> Scenario:
+    return from_dict(Scenario, {
+        "name": "llamacpp-edge", "seed": 3, "horizon_s": 60.0, "drain_s": 600.0,
+        "deployment": {"hardware": "apple_m2_ultra", "model": "llama-2-7b", "weight_dtype": "q4_0", **deployment},
+        "workload": {"arrival": {"process": "poisson", "rate": 0.3},
+                     "shared_prefix_tokens": 200,
+                     "input_tokens": {"dist": "lognormal", "mean": 500, "sigma": 0.5, "max": 2000},
+                     "output_tokens": {"dist": "lognormal", "mean": 120, "sigma": 0.5, "max": 400}},
+        "engines": ["llamacpp"]}, source="test")
+
+
+@pytest.mark.parametrize("deployment", [{}, {"hardware": "h100_sxm", "model": "llama-3.1-8b", "weight_dtype": "bf16"}])
+def test_end_to_end_conservation_and_invariants(deployment):
+    sc = _scenario(**deployment)
+    r = run_engine(sc, sc.engines[0], check_invariants=True)
+    s = r.summary
+    assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"] > 5
+    assert s["completed"] > 0 and s["prefix_cache_hit_rate"] > 0
+    assert (r.steps["prefill_tokens"] + r.steps["decode_tokens"] <= 512).all()
+    assert (r.steps["num_running"] <= 4).all()
