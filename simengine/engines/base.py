@@ -7,7 +7,7 @@ no wall clock, randomness only from an injected numpy Generator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -15,6 +15,7 @@ from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.memory import Deployment
+from simengine.kvcache.manager import KVCacheManager
 from simengine.registry import Registry
 
 
@@ -157,6 +158,46 @@ class EnginePolicy(ABC):
         if req.first_scheduled_s < 0:
             req.first_scheduled_s = now
         req.status = Status.RUNNING
+
+
+class PagedEngine(EnginePolicy):
+    """Queue views shared by engines that keep a `running` list, a `waiting` queue and a paged `kv`
+    (KVCacheManager). Subclasses create those three in __init__."""
+
+    running: list[Request]
+    waiting: Sized
+    kv: KVCacheManager
+
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    def prefix_hit_rate(self) -> float:
+        return self.kv.hit_rate()
+
+    def release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        done = {id(r) for r in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for req in finished:
+            self.kv.free(req)
+
+    def check_invariants(self) -> None:
+        self.kv.pool.check_invariants()
+        assert sum(self.kv.num_blocks_of(r) for r in self.running) <= self.kv.num_blocks
+        if self.batch_size_limit is not None:
+            assert len(self.running) <= self.batch_size_limit
 
 
 ENGINES: Registry[EnginePolicy] = Registry("engine")

@@ -18,7 +18,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 from simengine.kvcache.manager import KVCacheManager
 
@@ -47,7 +47,7 @@ class OrcaParams:
 
 
 @ENGINES.register("orca")
-class OrcaEngine(EnginePolicy):
+class OrcaEngine(PagedEngine):
     Params = OrcaParams
     vendors = ALL_VENDORS
     device_classes = ALL_CLASSES
@@ -74,18 +74,6 @@ class OrcaEngine(EnginePolicy):
         return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=False, cuda_graph_sizes=())
 
     # ---- queues -------------------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def kv_usage(self) -> float:
-        return self.kv.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
     def reservation(self, req: Request) -> int:
         """KV tokens reserved for the request's whole life at admission."""
         if self.params.reserve == "max_model_len":
@@ -104,16 +92,6 @@ class OrcaEngine(EnginePolicy):
                                     f"{self.kv_capacity_tokens()}")
         self.waiting.append(req)
         return True
-
-    def release(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
-
-    def on_finished(self, finished: list[Request], now: float) -> None:
-        done = {id(r) for r in finished}
-        self.running = [r for r in self.running if id(r) not in done]
-        for req in finished:
-            self.kv.free(req)
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

@@ -16,7 +16,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.manager import KVCacheManager
@@ -47,7 +47,7 @@ class SarathiParams:
 
 
 @ENGINES.register("sarathi")
-class SarathiEngine(EnginePolicy):
+class SarathiEngine(PagedEngine):
     Params = SarathiParams
     vendors = ALL_VENDORS
     device_classes = ALL_CLASSES
@@ -79,18 +79,6 @@ class SarathiEngine(EnginePolicy):
         return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False, cuda_graph_sizes=())
 
     # ---- queues -------------------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def kv_usage(self) -> float:
-        return self.kv.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
     def add_request(self, req: Request, now: float) -> bool:
         if req.prompt_len > self.max_model_len:  # _check_request_prompt_length: prompt beyond max_model_len
             return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}")
@@ -98,16 +86,6 @@ class SarathiEngine(EnginePolicy):
             return self.reject(req, "prompt needs more KV blocks than the pool holds above the watermark")
         self.waiting.append(req)
         return True
-
-    def release(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
-
-    def on_finished(self, finished: list[Request], now: float) -> None:
-        done = {id(r) for r in finished}
-        self.running = [r for r in self.running if id(r) not in done]
-        for req in finished:
-            self.kv.free(req)
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

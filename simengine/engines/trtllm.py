@@ -23,7 +23,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, PagedEngine, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.hashing import extend_block_hashes
@@ -97,7 +97,7 @@ class _Budget:
 
 
 @ENGINES.register("trtllm")
-class TrtllmEngine(EnginePolicy):
+class TrtllmEngine(PagedEngine):
     Params = TrtllmParams
     vendors = frozenset({"nvidia"})
     device_classes = frozenset({"datacenter", "workstation", "consumer", "edge"})
@@ -142,21 +142,6 @@ class TrtllmEngine(EnginePolicy):
             graph_padding=p.cuda_graph_enable_padding, graph_mixed_steps=False)  # generation-only batches
 
     # ---- queues -------------------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def kv_usage(self) -> float:
-        return self.kv.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
-    def prefix_hit_rate(self) -> float:
-        return self.kv.hit_rate()
-
     def add_request(self, req: Request, now: float) -> bool:
         if not self.check_length(req):
             return False

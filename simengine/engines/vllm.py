@@ -16,7 +16,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.kvcache.manager import NO_HIT, KVCacheManager
 
@@ -66,7 +66,7 @@ def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
 
 
 @ENGINES.register("vllm")
-class VllmEngine(EnginePolicy):
+class VllmEngine(PagedEngine):
     Params = VllmParams
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
@@ -107,20 +107,8 @@ class VllmEngine(EnginePolicy):
             graph_padding=True, graph_mixed_steps=not p.enforce_eager)  # FULL_AND_PIECEWISE
 
     # ---- queues -------------------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return len(self.running)
-
     def num_waiting(self) -> int:
         return len(self.waiting_heap) if self.priority else len(self.waiting)
-
-    def kv_usage(self) -> float:
-        return self.kv.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
-    def prefix_hit_rate(self) -> float:
-        return self.kv.hit_rate()
 
     def _push_waiting(self, req: Request, front: bool = False) -> None:
         if self.priority:
@@ -141,16 +129,6 @@ class VllmEngine(EnginePolicy):
             return False
         self._push_waiting(req)
         return True
-
-    def release(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
-
-    def on_finished(self, finished: list[Request], now: float) -> None:
-        done = {id(r) for r in finished}
-        self.running = [r for r in self.running if id(r) not in done]
-        for req in finished:
-            self.kv.free(req)
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -234,9 +212,3 @@ class VllmEngine(EnginePolicy):
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
-
-    def check_invariants(self) -> None:
-        self.kv.pool.check_invariants()
-        assert len(self.running) <= self.max_num_seqs
-        held = sum(self.kv.num_blocks_of(r) for r in self.running)
-        assert held <= self.kv.num_blocks
