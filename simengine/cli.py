@@ -75,7 +75,8 @@ def cmd_list(args) -> int:
             print(f"{name:10s} runs on: {', '.join(sorted(cls.vendors))}  ({(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''})")
     elif args.what == "hardware":
         from simengine.config.hardware import hardware_files, load_hardware
-        print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} {'FP8 TF':>8s}")
+        print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} "
+              f"{'FP8 TF':>8s}")
         for name in hardware_files():
             h = load_hardware(name)
             bf16 = h.peak_flops.get("bf16", h.peak_flops.get("fp16", 0)) / 1e12
@@ -90,8 +91,8 @@ def cmd_list(args) -> int:
             print(f"{name:22s} {m.model_type:12s} {m.total_params / 1e9:8.2f} {m.active_params / 1e9:9.2f} "
                   f"{m.kv_bytes_per_token(2.0):20,.0f}")
     else:
-        from simengine.config.scenario import scenario_files
         from simengine.config.loader import load_yaml
+        from simengine.config.scenario import scenario_files
         for name, path in scenario_files().items():
             first = path.read_text().splitlines()[0].lstrip("# ").strip() if path.stat().st_size else ""
             print(f"{name:32s} {first}")

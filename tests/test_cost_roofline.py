@@ -19,7 +19,7 @@ def cost(dep, timing=NO_OVERHEAD):
 
 def test_one_decode_is_bound_by_reading_the_weights():
     dep = make_dep()
-    m, hw = dep.model, dep.hardware
+    hw = dep.hardware
     c = cost(dep).step(BatchShape(num_decode=1, decode_context_tokens=1000, num_logits=1, padded_decode=1))
     bw = hw.memory_bandwidth_bytes_s * hw.memory_bandwidth_fraction
     # by hand: linear weights (32 layers x 218.1M params) + LM head (128256 x 4096), 2 bytes each

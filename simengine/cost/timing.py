@@ -15,7 +15,7 @@ class EngineTiming:
     overlap: bool                     # host work of step n+1 runs while the GPU runs step n
     kernel_launch_s: float = 4e-6     # one CUDA kernel launch from Python/C++ (ESTIMATE: 2.5-5 us per launch,
                                       # NVIDIA CUDA C++ Best Practices 'kernel launch overhead')
-    kernels_per_layer: int = 12       # ESTIMATE: norm, qkv, rope, attn, o, residual, norm, gate_up, act, down, residual+
+    kernels_per_layer: int = 12       # ESTIMATE: norm, qkv, rope, attn, o, add, norm, gate_up, act, down, add, ...
     graph_replay_s: float = 20e-6     # ESTIMATE: cudaGraphLaunch of a whole decode step (~10-30 us)
     cuda_graph_sizes: tuple[int, ...] = ()   # captured decode batch sizes (sorted); empty = eager always
     graph_padding: bool = True        # pad a decode batch up to the next captured size

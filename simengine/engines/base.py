@@ -86,7 +86,7 @@ class EnginePolicy(ABC):
     def has_work(self) -> bool:
         return self.num_running() > 0 or self.num_waiting() > 0
 
-    def check_invariants(self) -> None:
+    def check_invariants(self) -> None:  # noqa: B027  (optional hook: engines without extra state skip it)
         """Raise AssertionError on broken bookkeeping (tests/fuzzing)."""
 
     def kv_capacity_tokens(self) -> int:

@@ -27,7 +27,7 @@ GIB = 2**30
 class VllmParams:
     """vLLM engine arguments (CLI flag names with dashes as underscores). Defaults from vLLM 0.33.0."""
 
-    max_num_seqs: int | None = None            # None: 1024 on >=70 GB non-A100 GPUs, else 256 (arg_utils.py get_batch_defaults)
+    max_num_seqs: int | None = None            # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
     max_num_batched_tokens: int | None = None  # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
     gpu_memory_utilization: float = 0.92       # config/cache.py (0.9 before 0.33)
     block_size: int = 16                       # CacheConfig.DEFAULT_BLOCK_SIZE

@@ -1,6 +1,7 @@
 """A paged KV block pool with ref counts and a hashed-full-block prefix cache (vLLM V1 semantics).
 
-Free blocks sit in one LRU queue (an OrderedDict: O(1) pop from the front and removal from the middle): allocation pops from the front; a freed
+Free blocks sit in one LRU queue (an OrderedDict: O(1) pop from the front and removal from the middle):
+allocation pops from the front; a freed
 request's blocks are appended tail-first, so the end of a prefix chain is evicted before its head. A popped
 block that still carries a hash leaves the hash map then (lazy eviction). A cached block with ref count 0
 can be touched back out of the free queue by a prefix hit.
