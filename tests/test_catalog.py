@@ -8,12 +8,14 @@ from simengine.config.hardware import HARDWARE_DIR, hardware_files, load_hardwar
 from simengine.config.model import MODELS_DIR, load_model, model_names
 from simengine.errors import InputError
 
-REQUIRED_DEVICES = """a100_40g_sxm a100_80g_sxm a100_pcie h100_sxm h100_pcie h100_nvl h200_sxm h20 b200 gb200 l40s
-l4 a10g rtx_4090 rtx_3090 rtx_pro_6000_blackwell dgx_spark_gb10 jetson_agx_orin_64g jetson_orin_nano mi250x mi300x mi325x
-mi355x ascend_910b2 ascend_910b3 ascend_910b4 ascend_910c ascend_310p apple_m1 apple_m1_ultra apple_m2_ultra apple_m3_max
-apple_m3_ultra apple_m4_max apple_m4_pro gaudi2 gaudi3 arc_pro_b60 snapdragon_8_gen3 snapdragon_8_elite""".split()
-REQUIRED_MODELS = """llama-2-7b llama-2-70b llama-3.1-8b llama-3.1-70b llama-3.3-70b llama-3.1-405b qwen2.5-7b
-qwen2.5-72b qwen3-235b-a22b mixtral-8x7b deepseek-v3 internlm2-7b gpt-oss-20b gpt-oss-120b qwen2.5-coder-7b bloom-176b""".split()
+REQUIRED_DEVICES = """
+a100_40g_sxm a100_80g_sxm a100_pcie h100_sxm h100_pcie h100_nvl h200_sxm h20 b200 gb200 l40s l4 a10g rtx_4090 rtx_3090
+rtx_pro_6000_blackwell dgx_spark_gb10 jetson_agx_orin_64g jetson_orin_nano mi250x mi300x mi325x mi355x ascend_910b2
+ascend_910b3 ascend_910b4 ascend_910c ascend_310p apple_m1 apple_m1_ultra apple_m2_ultra apple_m3_max apple_m3_ultra
+apple_m4_max apple_m4_pro gaudi2 gaudi3 arc_pro_b60 snapdragon_8_gen3 snapdragon_8_elite""".split()
+REQUIRED_MODELS = """
+llama-2-7b llama-2-70b llama-3.1-8b llama-3.1-70b llama-3.3-70b llama-3.1-405b qwen2.5-7b qwen2.5-72b qwen3-235b-a22b
+mixtral-8x7b deepseek-v3 internlm2-7b gpt-oss-20b gpt-oss-120b qwen2.5-coder-7b bloom-176b""".split()
 
 
 def test_every_required_device_is_in_the_catalog():
