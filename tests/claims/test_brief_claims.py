@@ -1,7 +1,6 @@
 """The product brief's claims (../shared/brief/), reproduced by mechanism: each asserts a direction and a broad
 band, never a tuned number. Workloads are small so the suite stays fast."""
 
-import numpy as np
 import pytest
 
 from simengine.api import run_engine

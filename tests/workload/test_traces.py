@@ -17,9 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simengine.errors import InputError
-from simengine.workload.traces import (READERS, ReplayOptions, Trace, block_reuse_ratio,
-                                       prompt_token_ids_from_hash_ids, read_azure, read_burstgpt,
-                                       read_mooncake, read_sharegpt, read_trace)
+from simengine.workload.traces import (
+    READERS,
+    ReplayOptions,
+    Trace,
+    block_reuse_ratio,
+    prompt_token_ids_from_hash_ids,
+    read_azure,
+    read_burstgpt,
+    read_mooncake,
+    read_sharegpt,
+    read_trace,
+)
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared/data/traces"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
@@ -306,7 +315,7 @@ def test_sharegpt_malformed(tmp_path, text, line, field):
 ], ids=["azure", "burstgpt", "mooncake", "sharegpt"])
 def test_non_utf8_byte_names_its_line(tmp_path, kind, text):
     p = tmp_path / "bad.dat"
-    p.write_bytes(text.encode("utf-8").replace("\xff".encode("utf-8"), b"\xff"))
+    p.write_bytes(text.encode("utf-8").replace("\xff".encode(), b"\xff"))
     with pytest.raises(InputError, match="not UTF-8") as err:
         read_trace(kind, p, ReplayOptions())
     assert err.value.source == f"{p}:{text.count(chr(10), 0, text.index(chr(255))) + 1}"

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from simengine.errors import InputError
-from simengine.workload.traces.base import (ReplayOptions, Trace, build_trace, check_path, iter_csv,
-                                            parse_count)
+from simengine.workload.traces.base import ReplayOptions, Trace, build_trace, check_path, iter_csv, parse_count
 
 COL_TIME, COL_IN, COL_OUT = "TIMESTAMP", "ContextTokens", "GeneratedTokens"
 

@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from simengine.errors import InputError
-from simengine.workload.traces.base import (ReplayOptions, Trace, build_trace, check_path, iter_csv,
-                                            parse_count, parse_seconds)
+from simengine.workload.traces.base import (
+    ReplayOptions,
+    Trace,
+    build_trace,
+    check_path,
+    iter_csv,
+    parse_count,
+    parse_seconds,
+)
 
 COL_TIME, COL_MODEL, COL_IN, COL_OUT = "Timestamp", "Model", "Request tokens", "Response tokens"
 

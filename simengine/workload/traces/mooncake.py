@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from simengine.errors import InputError
-from simengine.workload.traces.base import (ReplayOptions, Trace, build_trace, check_path, not_utf8,
-                                            open_error)
+from simengine.workload.traces.base import ReplayOptions, Trace, build_trace, check_path, not_utf8, open_error
 
 MOONCAKE_BLOCK_TOKENS = 512
 KEYS = ("timestamp", "input_length", "output_length", "hash_ids")

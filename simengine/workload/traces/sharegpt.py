@@ -45,8 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from simengine.errors import InputError, unknown_name
-from simengine.workload.traces.base import (ReplayOptions, Trace, build_trace, check_path, not_utf8,
-                                            open_error)
+from simengine.workload.traces.base import ReplayOptions, Trace, build_trace, check_path, not_utf8, open_error
 
 USER_ROLES = frozenset({"human", "user"})
 ASSISTANT_ROLES = frozenset({"gpt", "chatgpt", "assistant", "bard", "bing", "model"})
