@@ -11,6 +11,7 @@ from simengine.core.request import Request, Status
 from simengine.engines.orca import OrcaEngine, OrcaParams
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
+from tests.engines.harness import drive
 
 
 def req(rid: int, prompt: int, out: int, *, arrival: float = 0.0, max_tokens: int | None = None) -> Request:
@@ -34,41 +35,6 @@ def mixed_requests(n: int, seed: int = 0) -> list[Request]:
     outs = rng.lognormal(np.log(60), 0.9, n).astype(int) + 1
     return [req(i, int(prompts[i]), int(outs[i]), arrival=0.03 * i, max_tokens=int(outs[i]) + int(rng.integers(0, 200)))
             for i in range(n)]
-
-
-def drive(eng, reqs: list[Request], dt: float = 0.02) -> tuple[list[Request], list[Request]]:
-    """Shared invariants: caps per step, no empty step while running, invariants after each update, conservation."""
-    pending = sorted(reqs, key=lambda r: r.arrival_s)
-    done: list[Request] = []
-    failed: list[Request] = []
-    now = 0.0
-    while pending or eng.has_work():
-        while pending and pending[0].arrival_s <= now:
-            r = pending.pop(0)
-            if not eng.add_request(r, now):
-                failed.append(r)
-        if not eng.has_work():
-            now = pending[0].arrival_s
-            continue
-        out = eng.schedule(now)
-        failed += out.rejected
-        if out.is_empty:
-            assert eng.num_running() == 0, "empty step while requests run"
-            now = pending[0].arrival_s if pending else now + dt
-            continue
-        assert len({id(r) for r, _ in out.scheduled}) == len(out.scheduled)
-        assert all(n >= 1 and r.num_computed_tokens + n <= r.num_tokens for r, n in out.scheduled)
-        if eng.step_token_limit is not None:
-            assert out.num_tokens <= eng.step_token_limit
-        if eng.batch_size_limit is not None:
-            assert len(out.scheduled) <= eng.batch_size_limit and eng.num_running() <= eng.batch_size_limit
-        now += dt
-        done += eng.update(out, now).finished
-        eng.check_invariants()
-    assert len(done) + len(failed) == len(reqs)
-    assert all(r.status is Status.FINISHED and r.num_output_tokens == r.output_len for r in done)
-    assert eng.kv_usage() == 0
-    return done, failed
 
 
 # ---- mechanism -------------------------------------------------------------------------------------------
