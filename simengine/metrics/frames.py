@@ -5,12 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from simengine.metrics.recorder import REQUEST_COLUMNS, STEP_COLUMNS, Recorder
+from simengine.metrics.recorder import REQUEST_FIELDS, STEP_FIELDS, Recorder
+
+
+def _frame(fields, cols) -> pd.DataFrame:
+    return pd.DataFrame({name: (np.frombuffer(col, dtype=col.typecode) if code else col)
+                         for (name, code), col in zip(fields, cols)})
 
 
 def requests_frame(rec: Recorder) -> pd.DataFrame:
     """One row per request (completed, failed or unfinished), sorted by request id, with latencies in ms."""
-    df = pd.DataFrame.from_records(rec.requests, columns=REQUEST_COLUMNS)
+    df = _frame(REQUEST_FIELDS, rec.request_cols)
     df = df.sort_values("request_id", kind="stable").reset_index(drop=True)
     done = df["status"] == "completed"
     ttft = np.where(done, (df["first_token_s"] - df["arrival_s"]) * 1e3, np.nan)
@@ -25,9 +30,11 @@ def requests_frame(rec: Recorder) -> pd.DataFrame:
 
 def steps_frame(rec: Recorder) -> pd.DataFrame:
     """One row per engine step."""
-    return pd.DataFrame.from_records(rec.steps, columns=STEP_COLUMNS)
+    df = _frame(STEP_FIELDS, rec.step_cols)
+    df["cuda_graph"] = df["cuda_graph"].astype(bool)
+    return df
 
 
 def itl_arrays(rec: Recorder) -> tuple[np.ndarray, np.ndarray]:
     """Inter-token gaps in ms and how many tokens had each gap (token-weighted, as vLLM pools ITL)."""
-    return np.asarray(rec.itl_values, dtype=float) * 1e3, np.asarray(rec.itl_counts, dtype=np.int64)
+    return np.frombuffer(rec.itl_values, dtype=float) * 1e3, np.frombuffer(rec.itl_counts, dtype=np.int64).copy()

@@ -1,43 +1,65 @@
-"""Append-only recording for the hot loop: tuples and flat lists, no pandas here."""
+"""Append-only recording for the hot loop: compact typed columns (array module), no pandas here."""
 
 from __future__ import annotations
 
+from array import array
+
 from simengine.core.request import Request, Status
 
-REQUEST_COLUMNS = (
-    "request_id", "replica", "session_id", "turn", "priority", "arrival_s", "first_scheduled_s",
-    "first_token_s", "finish_s", "prompt_len", "output_len", "num_output_tokens", "num_cached_tokens",
-    "num_preemptions", "status", "fail_reason", "slo_class", "structured",
+# (name, array typecode or "" for a Python list of strings)
+REQUEST_FIELDS = (
+    ("request_id", "q"), ("replica", "q"), ("session_id", "q"), ("turn", "q"), ("priority", "q"),
+    ("arrival_s", "d"), ("first_scheduled_s", "d"), ("first_token_s", "d"), ("finish_s", "d"),
+    ("prompt_len", "q"), ("output_len", "q"), ("num_output_tokens", "q"), ("num_cached_tokens", "q"),
+    ("num_preemptions", "q"), ("status", ""), ("fail_reason", ""), ("slo_class", ""), ("structured", "b"),
 )
-STEP_COLUMNS = (
-    "replica", "start_s", "end_s", "batch_size", "prefill_tokens", "decode_tokens", "num_running",
-    "num_waiting", "kv_usage", "preempted", "step_s", "compute_s", "memory_s", "comm_s", "overhead_s",
-    "cuda_graph",
+STEP_FIELDS = (
+    ("replica", "q"), ("start_s", "d"), ("end_s", "d"), ("batch_size", "q"), ("prefill_tokens", "q"),
+    ("decode_tokens", "q"), ("num_running", "q"), ("num_waiting", "q"), ("kv_usage", "d"), ("preempted", "q"),
+    ("step_s", "d"), ("compute_s", "d"), ("memory_s", "d"), ("comm_s", "d"), ("overhead_s", "d"),
+    ("cuda_graph", "b"),
 )
+REQUEST_COLUMNS = tuple(n for n, _ in REQUEST_FIELDS)
+STEP_COLUMNS = tuple(n for n, _ in STEP_FIELDS)
+
+
+def _columns(fields) -> list:
+    return [array(code) if code else [] for _, code in fields]
 
 
 class Recorder:
-    """Collects request rows, step rows and inter-token gaps (value, count) for one engine run."""
+    """Collects request rows, step rows and inter-token gaps (value, count) for one engine run, column-wise
+    (8 bytes a number) so a million-request run stays small."""
 
     def __init__(self):
-        self.requests: list[tuple] = []
-        self.steps: list[tuple] = []
-        self.itl_values: list[float] = []
-        self.itl_counts: list[int] = []
+        self.request_cols = _columns(REQUEST_FIELDS)
+        self.step_cols = _columns(STEP_FIELDS)
+        self.itl_values = array("d")
+        self.itl_counts = array("q")
         self.arrived = 0
 
     def request(self, req: Request, replica: int, status: str) -> None:
-        self.requests.append((
-            req.request_id, replica, req.session_id, req.turn, req.priority, req.arrival_s,
-            req.first_scheduled_s, req.first_token_s, req.finish_s, req.prompt_len, req.output_len,
-            req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason,
-            req.slo_class, int(req.structured)))
+        row = (req.request_id, replica, req.session_id, req.turn, req.priority, req.arrival_s,
+               req.first_scheduled_s, req.first_token_s, req.finish_s, req.prompt_len, req.output_len,
+               req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason,
+               req.slo_class, int(req.structured))
+        for col, v in zip(self.request_cols, row):
+            col.append(v)
 
     def finished(self, req: Request, replica: int) -> None:
         self.request(req, replica, "completed" if req.status is Status.FINISHED else "failed")
 
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
-        self.steps.append(row)
+        for col, v in zip(self.step_cols, row):
+            col.append(v)
         for prev, count in itl_groups.items():
             self.itl_values.append(now - prev)
             self.itl_counts.append(count)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_cols[0])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_cols[0])
