@@ -72,7 +72,9 @@ def cmd_list(args) -> int:
         from simengine.engines import ENGINES
         for name in ENGINES.names():
             cls = ENGINES.get(name)
-            print(f"{name:10s} runs on: {', '.join(sorted(cls.vendors))}  ({(cls.__doc__ or '').strip().splitlines()[0] if cls.__doc__ else ''})")
+            doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
+            print(f"{name:9s} {(doc[0] if doc else ''):100.100s}")
+            print(f"{'':9s} runs on: {', '.join(sorted(cls.vendors))} ({', '.join(sorted(cls.device_classes))})")
     elif args.what == "hardware":
         from simengine.config.hardware import hardware_files, load_hardware
         print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} "
