@@ -73,7 +73,7 @@ def cmd_list(args) -> int:
         for name in ENGINES.names():
             cls = ENGINES.get(name)
             doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
-            print(f"{name:9s} {(doc[0] if doc else ''):100.100s}")
+            print(f"{name:9s} {doc[0] if doc else ''}")
             print(f"{'':9s} runs on: {', '.join(sorted(cls.vendors))} ({', '.join(sorted(cls.device_classes))})")
     elif args.what == "hardware":
         from simengine.config.hardware import hardware_files, load_hardware
