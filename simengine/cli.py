@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error
+        sys.stderr.close()
+        return EXIT_OK
     except Exception as exc:  # an internal bug: say so, keep the traceback for the report
         import traceback
         traceback.print_exc()
