@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 fuzz: $(STAMP)
-	$(BIN)/python -m pytest tests/test_fuzz_invariants.py -q -p no:randomly --hypothesis-profile=fuzz
+	$(BIN)/python -m pytest tests/test_fuzz_invariants.py -q -p tests.fuzz_report --hypothesis-profile=fuzz
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

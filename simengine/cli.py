@@ -13,7 +13,9 @@ EXIT_OK, EXIT_INTERNAL, EXIT_INPUT = 0, 1, 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's usage dump -> our one-line contract
-        raise InputError(f"{message} (see `simengine {self.prog.split()[-1]} --help`)", field="command line")
+        words = self.prog.split()
+        cmd = f"simengine {words[-1]}" if len(words) > 1 else "simengine"
+        raise InputError(f"{message} (see `{cmd} --help`)", field="command line")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,15 +49,18 @@ def _engines_arg(text: str | None, scenario):
 
 def cmd_run(args) -> int:
     from simengine.api import compare, write_results
-    from simengine.config.scenario import load_scenario
+    from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.report.tables import format_table
     from simengine.sim.runner import build_deployment, build_engine
 
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario)
-    dep = build_deployment(scenario)
-    for e in engines:  # validate every engine before running any (no half-written results)
-        build_engine(e, dep)
+    try:
+        dep = build_deployment(scenario)
+        for e in engines:  # validate every engine before running any (no half-written results)
+            build_engine(e, dep)
+    except InputError as exc:  # name the scenario file the bad value came from
+        raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
     results = compare(scenario, engines)
     written = write_results(scenario, results, Path(args.out), Path(args.plots), make_plots=not args.no_plots)
     d = scenario.deployment

@@ -10,6 +10,7 @@ class InputError(ValueError):
     """Bad user input. `str(err)` is the single line the CLI prints."""
 
     def __init__(self, message: str, *, source: str | None = None, field: str | None = None):
+        self.message = message
         self.source = source
         self.field = field
         prefix = ""
@@ -18,6 +19,31 @@ class InputError(ValueError):
         if field:
             prefix += f"{field}: "
         super().__init__(prefix + message)
+
+    def located(self, source: str | None, field: str | None) -> InputError:
+        """This error with `source` filled in if it had none and its field placed under the `field` path.
+
+        A field that already names its full path (e.g. 'workload.sessions.population' raised inside the
+        workload section) is kept; a relative one ('value' raised by a distribution) is prefixed.
+        """
+        if (source is None or self.source is not None) and not field:
+            return self
+        return InputError(self.message, source=self.source or source, field=qualify(field, self.field))
+
+
+def qualify(path: str | None, inner: str | None) -> str | None:
+    """Join a containing field path and a field named by a nested check, without naming a level twice."""
+    if not path or not inner:
+        return inner or path
+    if inner == path or inner.startswith((path + ".", path + "[")):
+        return inner
+    head = inner.split(".")[0].split("[")[0]
+    parts = path.split(".")
+    if head == parts[0].split("[")[0]:
+        return inner  # already a full path from the top of the file
+    if parts[-1].split("[")[0] == head:
+        return ".".join(parts[:-1] + [inner])  # 'slo.ttft_ms' raised by an SLO under 'workload.classes[0].slo'
+    return f"{path}.{inner}"
 
 
 def did_you_mean(name: str, valid: Iterable[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,22 +78,56 @@ class Hardware:
         return self.peak_flops[dtype]
 
 
+VENDORS = ("nvidia", "amd", "huawei", "apple", "intel", "qualcomm")
+DEVICE_CLASSES = ("datacenter", "workstation", "consumer", "edge", "mobile")
+CONFIDENCE = ("A", "B", "C")
+# Upper bounds that catch unit slips (TB for GB, TFLOP/s typed as FLOP/s), with a wide margin over any part
+# sold today (512 GB unified memory, 8 TB/s HBM3e, ~10 PFLOP/s dense FP4).
+_LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops": 100_000.0,
+           "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
+           "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0}
+
+
+def _check_range(value: float | None, field: str, src: str, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    limit = _LIMITS.get(field.split(".")[0] if field.startswith("peak_tflops") else field, math.inf)
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not (math.isfinite(value) and low_ok and value <= limit):
+        need = ">= 0" if allow_zero else "> 0"
+        raise InputError(f"must be a finite number {need} and <= {limit:g} (units are in the key name), got {value}",
+                         source=src, field=field)
+
+
 def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     src = str(path)
-    if y.memory_gb <= 0 or y.memory_bandwidth_gb_s <= 0:
-        raise InputError("memory_gb and memory_bandwidth_gb_s must be > 0", source=src)
+    for key, valid in (("vendor", VENDORS), ("device_class", DEVICE_CLASSES), ("confidence", CONFIDENCE)):
+        if getattr(y, key) not in valid:
+            raise unknown_name(key.replace("_", " "), getattr(y, key), valid, source=src, field=key)
+    _check_range(y.memory_gb, "memory_gb", src)
+    _check_range(y.memory_bandwidth_gb_s, "memory_bandwidth_gb_s", src)
+    if not y.peak_tflops:
+        raise InputError("list at least one compute dtype, e.g. {bf16: 989.4}", source=src, field="peak_tflops")
     for k, v in y.peak_tflops.items():
         if k not in COMPUTE_DTYPES:
             raise unknown_name("compute dtype", k, COMPUTE_DTYPES, source=src, field="peak_tflops")
-        if v <= 0:
-            raise InputError(f"must be > 0, got {v}", source=src, field=f"peak_tflops.{k}")
+        _check_range(v, f"peak_tflops.{k}", src)
+    _check_range(y.interconnect.bandwidth_gb_s_per_direction, "interconnect.bandwidth_gb_s_per_direction", src,
+                 allow_zero=True)
+    _check_range(y.interconnect.latency_us, "interconnect.latency_us", src, allow_zero=True)
+    _check_range(y.tdp_w, "tdp_w", src)
+    _check_range(y.price_usd_per_hour, "price_usd_per_hour", src, allow_zero=True)
     try:
         check_fraction(y.efficiency.gemm_fraction, "efficiency.gemm_fraction")
         check_fraction(y.efficiency.memory_bandwidth_fraction, "efficiency.memory_bandwidth_fraction")
     except InputError as exc:
-        raise InputError(str(exc), source=src) from None
-    if y.node_size < 1:
-        raise InputError("must be >= 1", source=src, field="node_size")
+        raise exc.located(src, None) from None
+    if not 1 <= y.node_size <= 1024:
+        raise InputError(f"must be an integer in 1..1024, got {y.node_size}", source=src, field="node_size")
+    if y.node_size > 1 and y.interconnect.bandwidth_gb_s_per_direction == 0:
+        raise InputError(f"is 0 but node_size is {y.node_size}: devices in a node need a link; give its GB/s per "
+                         "direction, or node_size: 1 for a single-device part",
+                         source=src, field="interconnect.bandwidth_gb_s_per_direction")
     return Hardware(
         name=y.name, display_name=y.display_name, vendor=y.vendor, device_class=y.device_class,
         memory_bytes=y.memory_gb * 2**30 * USABLE_FRACTION_OF_MARKETED,
@@ -128,7 +163,10 @@ def _load_cached(path: Path, mtime_ns: int) -> Hardware:
 def load_hardware(name: str, *, field: str = "deployment.hardware") -> Hardware:
     """A catalog name or a path to a YAML file."""
     p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise InputError(f"hardware file '{name}' not found; give a catalog name (simengine list hardware) or "
+                             "an existing YAML path", field=field)
         return _load_cached(p.resolve(), p.stat().st_mtime_ns)
     files = hardware_files()
     if name not in files:

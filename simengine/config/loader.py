@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -14,25 +15,64 @@ import yaml
 from simengine.errors import InputError, did_you_mean
 
 _MISSING = dataclasses.MISSING
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")  # exponent forms PyYAML leaves as strings
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (no Python tags, nothing executed) that also refuses duplicate keys: YAML says a key
+    appears once, and PyYAML would otherwise keep the last copy without a word."""
+
+    source = ""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                line = key_node.start_mark.line + 1
+                if key is not None and key in seen:
+                    raise InputError(f"duplicate key (first on line {seen[key]}); keep only one",
+                                     source=f"{self.source}:{line}", field=str(key))
+                seen.setdefault(key, line)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
 
 
 def load_yaml(path: Path) -> Any:
-    """Read a YAML file with safe_load only; every failure is an InputError naming the file."""
+    """Read a YAML file with a safe loader only; every failure is an InputError naming the file."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError("file not found", source=str(path)) from None
+    except IsADirectoryError:
+        raise InputError("is a directory; give a YAML file", source=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read file ({exc.__class__.__name__})", source=str(path)) from None
+        raise InputError(f"cannot read file ({exc.__class__.__name__}); save it as UTF-8 text",
+                         source=str(path)) from None
     if not text.strip():
         raise InputError("file is empty; write a YAML mapping", source=str(path))
+    loader = _StrictLoader(text)
+    loader.source = str(path)
     try:
-        return yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"invalid YAML ({problem}); only plain YAML data is accepted", source=where) from None
+        if "constructor for the tag" in problem:
+            m = re.search(r"'([^']*)'", problem)
+            tag = (m.group(1) if m else "").replace("tag:yaml.org,2002:", "!!")
+            raise InputError(f"YAML tag {tag} is not allowed: files are plain data (no Python objects); remove the "
+                             "tag", source=where) from None
+        fix = "indent with spaces, not tabs" if "'\\t'" in problem else "fix the syntax (is the file truncated?)"
+        raise InputError(f"invalid YAML ({problem}); {fix}", source=where) from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise InputError("file holds no data (only comments?); write a YAML mapping", source=str(path))
+    return data
 
 
 def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
@@ -42,7 +82,8 @@ def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
     if isinstance(data, str) and hasattr(cls, "from_name"):  # e.g. an engine given by name only
         return cls.from_name(data)
     if not isinstance(data, dict):
-        raise InputError(f"expected a mapping for {cls.__name__}, got {_kind(data)}", source=source,
+        hint = "; is the file truncated?" if data is None else ""
+        raise InputError(f"expected a mapping for {cls.__name__}, got {_kind(data)}{hint}", source=source,
                          field=field or None)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -60,8 +101,8 @@ def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
             raise InputError("required key is missing", source=source, field=path)
     try:
         return cls(**kwargs)
-    except InputError:
-        raise
+    except InputError as exc:
+        raise exc.located(source, field or None) from None
     except (ValueError, TypeError) as exc:
         raise InputError(str(exc), source=source, field=field or None) from None
 
@@ -107,6 +148,8 @@ def convert(tp: Any, value: Any, *, source: str, field: str) -> Any:
         if not isinstance(value, bool):
             raise InputError(f"expected true or false, got {_kind(value)}", source=source, field=field)
         return value
+    if tp in (int, float) and isinstance(value, str) and _NUMBER.match(value):
+        value = float(value)  # YAML 1.1 reads 1e12 as a string; YAML 1.2 and JSON read it as a number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():

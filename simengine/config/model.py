@@ -12,6 +12,7 @@ from simengine.config.hardware import REPO_ROOT
 from simengine.errors import InputError, unknown_name
 
 MODELS_DIR = REPO_ROOT / "models"
+MAX_DIM = 100_000_000  # any one shape field (vocab 256k, context 10M, width 32k): above this it is a typo
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,18 +125,38 @@ def _get(cfg: dict, *names: str, default: Any = None, required: bool = True, sou
     return default
 
 
-def _positive_int(value: Any, field: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InputError(f"must be a positive integer, got {value!r}", source=source, field=field)
+def _positive_int(value: Any, field: str, source: str, *, minimum: int = 1) -> int:
+    """A whole number >= minimum (JSON 4096.0 is accepted as 4096); anything else names the field."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        need = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise InputError(f"must be {need}, got {value!r}", source=source, field=field)
+    if value > MAX_DIM:
+        raise InputError(f"{value} is beyond any model's shape (limit {MAX_DIM:g}); is it a typo?", source=source,
+                         field=field)
     return value
 
 
 def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
-    """Derive a ModelSpec from a HuggingFace config.json mapping."""
+    """Derive a ModelSpec from a HuggingFace config.json mapping (InputError naming the field on bad values)."""
+    try:
+        return _model_from_config(cfg, name=name, source=source)
+    except InputError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:  # a field of an odd type
+        raise InputError(f"cannot derive the model shape ({exc.__class__.__name__}: {exc}); check the field types "
+                         "against the model's HuggingFace config.json", source=source) from None
+
+
+def _model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InputError("config.json must be a JSON object", source=source)
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers keep the LM here
         cfg = cfg["text_config"]
+        if not isinstance(cfg, dict):
+            raise InputError("must be a JSON object holding the language model's config", source=source,
+                             field="text_config")
     model_type = str(cfg.get("model_type", "unknown"))
     g = functools.partial(_get, cfg, source=source)
     h = _positive_int(g("hidden_size", "n_embed", "d_model"), "hidden_size", source)
@@ -146,18 +167,20 @@ def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
     if heads % kv_heads:
         raise InputError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
                          source=source, field="num_key_value_heads")
-    head_dim = int(g("head_dim", default=h // heads))
+    head_dim = _positive_int(g("head_dim", default=h // heads), "head_dim", source)
     vocab = _positive_int(g("vocab_size", "padded_vocab_size"), "vocab_size", source)
     is_bloom = model_type == "bloom"
-    inter = int(g("intermediate_size", "ffn_hidden_size", default=4 * h))
-    max_len = int(g("max_position_embeddings", "seq_length", "max_sequence_length", default=2048))
+    inter = _positive_int(g("intermediate_size", "ffn_hidden_size", default=4 * h), "intermediate_size", source)
+    max_len = _positive_int(g("max_position_embeddings", "seq_length", "max_sequence_length", default=2048),
+                            "max_position_embeddings", source)
     tie = bool(cfg.get("tie_word_embeddings", is_bloom))
 
-    kv_lora = int(cfg.get("kv_lora_rank") or 0)
+    kv_lora = _positive_int(cfg.get("kv_lora_rank") or 0, "kv_lora_rank", source, minimum=0)
     if kv_lora:  # Multi-head Latent Attention (DeepSeek-V2/V3)
-        rope, nope = int(g("qk_rope_head_dim")), int(g("qk_nope_head_dim"))
-        v_dim = int(g("v_head_dim"))
-        q_lora = int(cfg.get("q_lora_rank") or 0)
+        rope = _positive_int(g("qk_rope_head_dim"), "qk_rope_head_dim", source)
+        nope = _positive_int(g("qk_nope_head_dim"), "qk_nope_head_dim", source)
+        v_dim = _positive_int(g("v_head_dim"), "v_head_dim", source)
+        q_lora = _positive_int(cfg.get("q_lora_rank") or 0, "q_lora_rank", source, minimum=0)
         q_params = (h * q_lora + q_lora + q_lora * heads * (nope + rope)) if q_lora else h * heads * (nope + rope)
         attn = q_params + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
         qk_dim, latent, k_dim = nope + rope, kv_lora + rope, nope + rope
@@ -165,13 +188,16 @@ def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
         attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
         qk_dim, v_dim, latent, k_dim = head_dim, head_dim, 0, head_dim
 
-    num_experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0,
-                           required=False) or 0)
+    num_experts = _positive_int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0,
+                                     required=False) or 0, "num_local_experts", source, minimum=0)
     moe: dict[str, int] = {}
     if num_experts:
         topk = _positive_int(g("num_experts_per_tok", "experts_per_token", "moe_topk"), "num_experts_per_tok",
                              source)
-        e_inter = int(g("moe_intermediate_size", default=inter))
+        if topk > num_experts:
+            raise InputError(f"{topk} experts per token but only {num_experts} experts", source=source,
+                             field="num_experts_per_tok")
+        e_inter = _positive_int(g("moe_intermediate_size", default=inter), "moe_intermediate_size", source)
         first_dense = int(cfg.get("first_k_dense_replace") or 0)
         dense_set = set(cfg.get("mlp_only_layers") or [])
         step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
@@ -184,7 +210,7 @@ def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
                    router_params_per_moe_layer=h * num_experts)
 
     layer_types = cfg.get("layer_types") or []
-    sliding = int(cfg.get("sliding_window") or 0)
+    sliding = _positive_int(cfg.get("sliding_window") or 0, "sliding_window", source, minimum=0)
     n_sliding = sum(1 for t in layer_types if t == "sliding_attention") if sliding else 0
     return ModelSpec(
         name=name, model_type=model_type, num_layers=layers, hidden_size=h, num_heads=heads,
@@ -229,12 +255,22 @@ def load_model(name: str, *, field: str = "deployment.model") -> ModelSpec:
     return _load_json(names[name], name)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"JSON {name} is not a number a model shape can have")
+
+
 @functools.cache
 def _load_json(path: Path, name: str) -> ModelSpec:
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read ({exc.__class__.__name__}); give a UTF-8 JSON file", source=str(path)) from None
+    if not text.strip():
+        raise InputError("file is empty; copy the model's config.json from its HuggingFace repo", source=str(path))
+    try:
+        cfg = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON at line {exc.lineno} ({exc.msg})", source=str(path)) from None
-    except OSError as exc:
-        raise InputError(f"cannot read ({exc.__class__.__name__})", source=str(path)) from None
+        raise InputError(f"invalid JSON ({exc.msg}); is the file truncated?", source=f"{path}:{exc.lineno}") from None
+    except ValueError as exc:
+        raise InputError(f"{exc}; write a number", source=str(path)) from None
     return model_from_config(cfg, name=name, source=str(path))

@@ -195,7 +195,8 @@ class PagedEngine(EnginePolicy):
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
-        assert sum(self.kv.num_blocks_of(r) for r in self.running) <= self.kv.num_blocks
+        held = {b for r in self.running for b in self.kv.req_blocks.get(r.request_id, ())}
+        assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once
         if self.batch_size_limit is not None:
             assert len(self.running) <= self.batch_size_limit
 

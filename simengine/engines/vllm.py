@@ -18,6 +18,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.errors import InputError
 from simengine.kvcache.manager import NO_HIT, KVCacheManager
 
 GIB = 2**30
@@ -30,7 +31,7 @@ class VllmParams:
     max_num_seqs: int | None = None            # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
     max_num_batched_tokens: int | None = None  # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
     gpu_memory_utilization: float = 0.92       # config/cache.py (0.9 before 0.33)
-    block_size: int = 16                       # CacheConfig.DEFAULT_BLOCK_SIZE
+    block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
     enable_prefix_caching: bool = True         # config/cache.py
     long_prefill_token_threshold: int = 0      # config/scheduler.py (0 = off)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
@@ -44,6 +45,7 @@ class VllmParams:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
             check_positive(getattr(self, name), name)
         check_positive(self.long_prefill_token_threshold, "long_prefill_token_threshold", allow_zero=True)
+        check_positive(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
 
 
 def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:
@@ -89,6 +91,13 @@ class VllmEngine(PagedEngine):
             rule = f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory"
         tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="vllm", rule=rule)
         num_blocks = tokens // p.block_size
+        if num_blocks > 50_000_000:  # more than any device holds (a B200 has ~13M 16-token blocks of Llama-8B)
+            raise InputError(f"a KV pool of {kv_bytes / 2**30:.0f} GiB is beyond any device; give "
+                             "kv_cache_memory_bytes in bytes of one device's KV cache", field="kv_cache_memory_bytes")
+        if p.max_model_len and p.max_model_len > dep.model.max_model_len:
+            raise InputError(f"max_model_len {p.max_model_len} exceeds {dep.model.name}'s context of "
+                             f"{dep.model.max_model_len} tokens (vLLM refuses it without "
+                             f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
         self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=p.enable_prefix_caching)
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []

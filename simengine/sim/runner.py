@@ -21,6 +21,10 @@ from simengine.metrics.recorder import Recorder
 from simengine.sim.replica import Replica
 from simengine.workload.generator import RequestFactory, SessionPlan
 
+# A closed-loop client whose request is refused at once waits this long before its next one (1 s, like a
+# client retry delay), so a refusal can never spin the simulation at one instant.
+REFUSAL_BACKOFF_S = 1.0
+
 
 def build_deployment(scenario: Scenario) -> Deployment:
     """Resolve hardware, model and dtypes of a scenario (InputError on unknown names or impossible combos)."""
@@ -34,6 +38,13 @@ def build_deployment(scenario: Scenario) -> Deployment:
                          field="deployment.tp")
     if d.pp > model.num_layers:
         raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field="deployment.pp")
+    if d.tp * d.pp > 1 and hw.link_bandwidth_bytes_s <= 0:
+        raise InputError(f"{hw.name} has no device-to-device link (interconnect: none), so tp x pp must be 1; "
+                         f"use one device per replica and more replicas", field="deployment.tp")
+    if d.tp * d.pp > hw.node_size:
+        raise InputError(f"tp x pp = {d.tp * d.pp} exceeds {hw.name}'s node of {hw.node_size} devices linked by "
+                         f"{hw.link_bandwidth_bytes_s / 1e9:.0f} GB/s; use at most {hw.node_size} per replica",
+                         field="deployment.tp")
     if d.expert_parallel and not model.is_moe:
         raise InputError(f"expert_parallel needs a mixture-of-experts model; {model.name} is dense",
                          field="deployment.expert_parallel")
@@ -152,7 +163,10 @@ class Runner:
         env, horizon, cap = self.env, self.scenario.horizon_s, self.scenario.workload.num_requests
         while env.now <= horizon and (cap is None or self.factory.next_id < cap):
             req = self.factory.plain_request(env.now)
+            started = env.now
             yield from self._send_and_wait(req)
+            if env.now == started:  # refused at once: back off instead of retrying at the same instant forever
+                yield env.timeout(REFUSAL_BACKOFF_S)
         self._close_source()
 
     def _session_slot(self, first_index: int, stride: int):
@@ -162,7 +176,10 @@ class Runner:
             plan = self.factory.session(index)
             if index == first_index and plan.start_offset_s:
                 yield env.timeout(plan.start_offset_s)
+            started = env.now
             yield from self._run_session(plan)
+            if env.now == started:  # refused at once (e.g. the prompt overflows the model): the next user comes
+                yield env.timeout(max(self.factory.think_time(plan), REFUSAL_BACKOFF_S))  # later, not this instant
             index += stride
         self._close_source()
 
