@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="override a scenario field, e.g. --set workload.arrival.rate=4")
         s.add_argument("--no-plots", action="store_true", help="skip figures")
+    from simengine.validate.cli import add_subcommands
+    add_subcommands(sub)
     ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
     ls.add_argument("what", choices=["engines", "hardware", "models", "scenarios"])
     return p
@@ -112,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command in ("run", "compare"):
             return cmd_run(args)
-        return cmd_list(args)
+        if args.command == "list":
+            return cmd_list(args)
+        return args.handler(args)
     except InputError as exc:
         print(f"simengine: error: {exc}", file=sys.stderr)
         return EXIT_INPUT

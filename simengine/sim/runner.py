@@ -70,11 +70,17 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
 
 
 def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0) -> RooflineCost:
-    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy)."""
+    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy),
+    with the engine's calibrated overhead terms from simengine/engines/calibration.yaml applied
+    (`simengine calibrate`, docs/validation.md); an engine without calibrated terms gets the plain roofline."""
+    from simengine.validate.terms import ExtendedRoofline, read_engine_terms, split_terms
+
+    timing, extras = split_terms(engine.timing, read_engine_terms().get(engine.name, {}))
+    engine.timing = timing
     d = engine.dep
-    return RooflineCost(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                        tp=d.tp, pp=d.pp, timing=engine.timing, grammar_mask_s=grammar_mask_s,
-                        expert_parallel=d.expert_parallel)
+    return ExtendedRoofline(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
+                            tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
+                            expert_parallel=d.expert_parallel, extras=extras)
 
 
 @dataclass

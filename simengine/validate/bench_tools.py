@@ -1,0 +1,66 @@
+"""What the benchmark tool behind a measurement configured, when the notes name the tool.
+
+A published number is the engine *as the benchmark ran it*. Two tools set engine knobs of their own:
+- `trtllm-bench throughput` (PyTorch backend) sizes max_batch_size and max_num_tokens from the dataset's mean
+  lengths and the free KV memory (tensorrt_llm/bench/build/tuning.py calc_engine_setting + finetune_setting),
+  raises max_num_tokens to max ISL + max_batch_size when chunking is off, enables CUDA-graph padding up to
+  max_batch_size and passes --kv_cache_free_gpu_mem_fraction (default 0.90) through
+  (tensorrt_llm/bench/benchmark/utils/general.py get_settings; benchmark/throughput.py options);
+- `llama-bench` processes prompts in ubatches of 512 tokens (-b 2048 -ub 512 defaults), handled in run.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from simengine.config.dtypes import kv_bytes, weight_format
+from simengine.config.hardware import load_hardware
+from simengine.config.model import load_model
+from simengine.validate.measurements import Measurement
+
+GIB = 2**30
+TRTLLM_BENCH_KV_FRACTION = 0.90   # trtllm-bench throughput --kv_cache_free_gpu_mem_fraction default
+
+
+def _finetune(kv_max_requests: float, isl: int, osl: int, pp: int) -> tuple[int, int]:
+    """finetune_setting (optimistic tuning on): (max_batch_size, max_num_tokens)."""
+    raw_bs = min(kv_max_requests, 4096) / pp
+    raw_token = min(raw_bs * (1 + isl / osl), 32768)
+    if raw_bs < 256:
+        bs = max(64, 32 * math.ceil(raw_bs / 32))
+    elif raw_bs < 1024:
+        bs = 128 * math.ceil(raw_bs / 128)
+    else:
+        bs = 256 * math.ceil(raw_bs / 256)
+    if raw_token < 4096:
+        tok = max(2048, 256 * math.ceil(raw_token / 256))
+    elif raw_token < 8192:
+        tok = 512 * math.ceil(raw_token / 512)
+    else:
+        tok = 1024 * math.ceil(raw_token / 1024)
+    return bs, tok
+
+
+def trtllm_bench_params(row: Measurement) -> dict:
+    """TrtllmParams overrides trtllm-bench throughput applies for a fixed-length dataset of the row's lengths."""
+    model, hw = load_model(row.model), load_hardware(row.hardware)
+    isl, osl = row.input_len, row.output_len
+    wbytes = min(weight_format(row.weight_dtype).bytes_per_param, 2.0)   # BYTES_PER_ELEM: fp8 1, else 2
+    kvb = kv_bytes(row.kv_dtype)
+    per_token_gib = 2 * model.num_full_attention_layers * max(row.tp, model.num_kv_heads) * model.head_dim * kvb / GIB
+    n_gpus = row.tp * row.pp
+    available = hw.memory_bytes / GIB * n_gpus - model.total_params * wbytes / GIB
+    kv_max_requests = available * TRTLLM_BENCH_KV_FRACTION / (per_token_gib * (isl + osl))
+    bs, tokens = _finetune(kv_max_requests, isl, osl, row.pp)
+    tokens = max(tokens, isl + bs)   # chunked prefill off: max_num_tokens >= max ISL + max_batch_size
+    return {"max_batch_size": bs, "max_num_tokens": tokens, "free_gpu_memory_fraction": TRTLLM_BENCH_KV_FRACTION,
+            "cuda_graph_max_batch_size": bs, "cuda_graph_enable_padding": True}
+
+
+def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
+    """(engine params, note) the row's benchmark tool set; ({}, '') when the notes name no such tool."""
+    tool = "trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source   # perf-overview uses it
+    if engine == "trtllm" and tool and row.input_len and row.output_len:
+        p = trtllm_bench_params(row)
+        return p, f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}"
+    return {}, ""

@@ -1,0 +1,155 @@
+"""Turn a measurement row into the experiment it describes, or a skip with the reason (never a guess).
+
+Two kinds of experiment:
+- `step`: prefill_ms, decode_step_ms (Splitwise semantics: one forward of the batch) and prefill_tok_s,
+  decode_tok_s (llama-bench semantics: ubatches of 512 prompt tokens; N single-token decode steps) are priced
+  directly by the cost model with the engine's timing, from batch shapes the engine itself builds;
+- `sim`: throughput and latency metrics run the engine in the simulator on the row's request stream.
+
+Offline throughput rows with many requests are simulated with WAVES x the engine's steady-state concurrency
+(`capped_requests`) and half that, and extrapolated at the steady-state rate (run.py `_offline_rate`); the cap
+and its effect are documented in docs/validation.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simengine.config.loader import from_dict
+from simengine.config.scenario import EngineEntry, Scenario
+from simengine.engines import ENGINES
+from simengine.errors import InputError
+from simengine.validate.bench_tools import engine_params
+from simengine.validate.measurements import Measurement
+
+STEP_METRICS = ("prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
+RATE_METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput")
+ENGINE_OF_ROW = {"unknown": "generic"}   # a row whose stack is not stated runs the documented generic engine
+LLAMA_BENCH_UBATCH = 512   # llama-bench defaults -b 2048 -ub 512 (tools/llama-bench/llama-bench.cpp)
+WAVES = 4                  # offline rows: simulate at most this many steady-state batches of requests (and half)
+MIN_SIMULATED = 200        # ... but never fewer requests than this (or all of them)
+OPEN_LOOP_CAP = 2000       # poisson/concurrency rows without a request count: this many requests
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A row that cannot run, and why."""
+
+    row: Measurement
+    reason: str
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What to run for one row. `scenario` carries the deployment (and, for `sim`, the workload)."""
+
+    row: Measurement
+    kind: str                       # "step" | "sim"
+    engine: str                     # registry name
+    scenario: Scenario
+    params: dict = field(default_factory=dict)   # engine knobs the row's benchmark tool set (bench_tools.py)
+    batch: int = 1                  # step rows: sequences in the batch
+    full_requests: int | None = None   # sim rows: requests the measurement ran (None: unknown)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def entry(self) -> EngineEntry:
+        return EngineEntry(engine=self.engine, params=dict(self.params))
+
+
+def engine_name(row: Measurement) -> str:
+    return ENGINE_OF_ROW.get(row.engine, row.engine)
+
+
+def _lengths_problem(row: Measurement) -> str | None:
+    need_in = row.metric in ("prefill_ms", "prefill_tok_s") or row.metric not in STEP_METRICS
+    need_out = row.metric in ("decode_step_ms", "decode_tok_s") or row.metric not in STEP_METRICS
+    missing = [n for n, need, v in (("input_len", need_in, row.input_len), ("output_len", need_out,
+                                                                            row.output_len)) if need and not v]
+    if not missing:
+        return None
+    ds = next((p.strip().split()[0] for p in row.notes.split(";") if p.strip().startswith("dataset=")), "")
+    where = f" ({ds}: simengine bundles no length distribution for it)" if ds else ""
+    return f"{' and '.join(missing)} not stated{where}"
+
+
+def _arrival(row: Measurement) -> dict:
+    a = row.arrival
+    if a.kind == "poisson":
+        return {"process": "poisson", "rate": a.value}
+    if a.kind == "concurrency":
+        return {"process": "closed_loop", "concurrency": int(a.value)}
+    if a.kind == "single":
+        return {"process": "closed_loop", "concurrency": 1}
+    return {"process": "offline"}   # offline, and batch:B (B requests at t=0)
+
+
+def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
+                 params: dict | None = None) -> Scenario:
+    """The row's deployment and request stream as a Scenario (InputError on impossible values)."""
+    replicas = row.num_gpus // (row.tp * row.pp)
+    n = num_requests or 1
+    data = {
+        "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
+        "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
+                       "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas},
+        "workload": {"arrival": _arrival(row), "num_requests": n,
+                     "input_tokens": {"dist": "constant", "value": max(row.input_len or 1, 1)},
+                     "output_tokens": {"dist": "constant", "value": max(row.output_len or 1, 1)}},
+        "engines": [{"engine": engine, "params": dict(params or {})}],
+    }
+    return from_dict(Scenario, data, source="row")
+
+
+def plan_row(row: Measurement) -> Experiment | Skip:
+    """The experiment a row describes, or why it cannot run. The deployment (model, hardware, dtype, memory,
+    vendor support) is checked when run.py builds the engine; its InputError becomes the skip reason."""
+    engine = engine_name(row)
+    if engine not in ENGINES.names():
+        return Skip(row, f"engine '{row.engine}' is not implemented in simengine (registry: "
+                         f"{', '.join(sorted(ENGINES.names()))})")
+    if row.tp < 1 or row.pp < 1:
+        return Skip(row, "tp/pp not stated (0 = unknown or engine-chosen)")
+    if row.num_gpus % (row.tp * row.pp):
+        return Skip(row, f"num_gpus {row.num_gpus} is not a multiple of tp*pp = {row.tp * row.pp}")
+    problem = _lengths_problem(row)
+    if problem:
+        return Skip(row, problem)
+    a = row.arrival
+    try:
+        params, note = engine_params(row, engine)
+        if row.metric in STEP_METRICS:
+            if a.kind not in ("single", "batch"):
+                return Skip(row, f"step metric {row.metric} needs arrival single or batch:B, got {a}")
+            return Experiment(row, "step", engine, scenario_for(row, engine, params=params), params,
+                              batch=int(a.value or 1))
+        if row.arrival.kind == "batch":
+            n = int(a.value)
+        elif row.num_requests:
+            n = row.num_requests
+        elif a.kind == "offline":
+            n = None   # steady-state throughput of a capped run
+        else:
+            n = OPEN_LOOP_CAP
+        notes = [note] if note else []
+        if n is None and a.kind == "offline":
+            notes.append("num_requests not stated: steady-state rate")
+        return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params), params,
+                          full_requests=n, notes=notes)
+    except InputError as exc:
+        return Skip(row, str(exc))
+
+
+def capped_requests(exp: Experiment, batch_limit: int | None, kv_tokens: int) -> int:
+    """Requests to simulate for an offline row: all of them, or WAVES x steady-state concurrency."""
+    row = exp.row
+    if row.arrival.kind != "offline":
+        return exp.scenario.workload.num_requests
+    per_req = (row.input_len or 1) + (row.output_len or 1)
+    conc = kv_tokens // max(per_req, 1)
+    if batch_limit:
+        conc = min(conc, batch_limit)
+    replicas = exp.scenario.deployment.replicas
+    cap = max(MIN_SIMULATED, WAVES * max(conc, 1) * replicas)
+    full = exp.full_requests
+    return int(min(full, cap)) if full else int(cap)

@@ -1,0 +1,169 @@
+"""Read published measurements (../shared/data/validation/README.md schema) into typed rows.
+
+The file is plain comma-separated text with a fixed 17-column header and no quoting (the schema guarantees no
+field holds a comma). Every problem is an InputError naming the file, the line and the column.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from simengine.errors import InputError
+
+COLUMNS = ("id", "source", "engine", "model", "weight_dtype", "kv_dtype", "hardware", "num_gpus", "tp", "pp",
+           "input_len", "output_len", "num_requests", "arrival", "metric", "value", "notes")
+ENGINES = ("vllm", "sglang", "tgi", "lmdeploy", "trtllm", "mlc", "llamacpp", "unknown")
+METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput", "mean_ttft_ms",
+           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
+           "prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
+ARRIVALS = ("offline", "poisson", "concurrency", "single", "batch")
+FLAGS = ("assumed", "SUSPECT", "CONFLICT", "SECONDARY", "CORRECTED")
+_ID = re.compile(r"^[a-z0-9_.-]+$")
+_CTX_DEPTH = re.compile(r"ctx_depth\s*=\s*(\d+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arrival:
+    """How the measured requests arrived: kind plus its number (rate, concurrency or batch size)."""
+
+    kind: str                  # offline | poisson | concurrency | single | batch
+    value: float | None = None
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return self.kind
+        v = int(self.value) if float(self.value).is_integer() else self.value
+        return f"{self.kind}:{v}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One row of the calibration file, typed. Blank integers are None; `line` is the 1-based file line."""
+
+    id: str
+    source: str
+    engine: str
+    model: str
+    weight_dtype: str
+    kv_dtype: str
+    hardware: str
+    num_gpus: int
+    tp: int
+    pp: int
+    input_len: int | None
+    output_len: int | None
+    num_requests: int | None
+    arrival: Arrival
+    metric: str
+    value: float
+    notes: str = ""
+    line: int = 0
+    flags: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def ctx_depth(self) -> int:
+        """llama-bench `@ dN` depth, written `ctx_depth=N` in the notes (0 when absent)."""
+        m = _CTX_DEPTH.search(self.notes)
+        return int(m.group(1)) if m else 0
+
+
+def _int(text: str, column: str, where: str, *, blank_ok: bool, minimum: int = 0) -> int | None:
+    text = text.strip()
+    if not text:
+        if blank_ok:
+            return None
+        raise InputError("is blank; an integer is required", source=where, field=column)
+    try:
+        v = int(text)
+    except ValueError:
+        raise InputError(f"'{text}' is not an integer", source=where, field=column) from None
+    if v < minimum:
+        raise InputError(f"must be >= {minimum}, got {v}", source=where, field=column)
+    return v
+
+
+def parse_arrival(text: str, where: str = "") -> Arrival:
+    """'offline', 'single', 'poisson:RATE', 'concurrency:N' or 'batch:N'."""
+    kind, _, num = text.strip().partition(":")
+    if kind not in ARRIVALS:
+        raise InputError(f"'{text}' is not one of offline, single, poisson:RATE, concurrency:N, batch:N",
+                         source=where, field="arrival")
+    if kind in ("offline", "single"):
+        if num:
+            raise InputError(f"'{text}': {kind} takes no number", source=where, field="arrival")
+        return Arrival(kind=kind)
+    try:
+        value = float(num)
+    except ValueError:
+        raise InputError(f"'{text}': {kind} needs a number after ':'", source=where, field="arrival") from None
+    if not math.isfinite(value) or value <= 0 or (kind != "poisson" and not value.is_integer()):
+        raise InputError(f"'{text}': {kind} needs a {'positive' if kind == 'poisson' else 'positive integer'} "
+                         "number", source=where, field="arrival")
+    return Arrival(kind=kind, value=value)
+
+
+def parse_row(fields: list[str], where: str, line: int) -> Measurement:
+    """One data line split on commas -> Measurement (InputError naming `where` and the column)."""
+    if len(fields) != len(COLUMNS):
+        raise InputError(f"has {len(fields)} fields, the schema has {len(COLUMNS)} (a comma inside a field?)",
+                         source=where)
+    raw = dict(zip(COLUMNS, (f.strip() for f in fields), strict=True))
+    if not _ID.match(raw["id"]):
+        raise InputError(f"'{raw['id']}' must match [a-z0-9_.-]+", source=where, field="id")
+    if raw["engine"] not in ENGINES:
+        raise InputError(f"'{raw['engine']}' is not one of {', '.join(ENGINES)}", source=where, field="engine")
+    if raw["metric"] not in METRICS:
+        raise InputError(f"'{raw['metric']}' is not one of {', '.join(METRICS)}", source=where, field="metric")
+    for col in ("model", "weight_dtype", "kv_dtype", "hardware"):
+        if not raw[col]:
+            raise InputError("is blank", source=where, field=col)
+    try:
+        value = float(raw["value"])
+    except ValueError:
+        raise InputError(f"'{raw['value']}' is not a number", source=where, field="value") from None
+    if not math.isfinite(value) or value <= 0:
+        raise InputError(f"must be a finite number > 0, got {raw['value']}", source=where, field="value")
+    return Measurement(
+        id=raw["id"], source=raw["source"], engine=raw["engine"], model=raw["model"],
+        weight_dtype=raw["weight_dtype"], kv_dtype=raw["kv_dtype"], hardware=raw["hardware"],
+        num_gpus=_int(raw["num_gpus"], "num_gpus", where, blank_ok=False, minimum=1),
+        tp=_int(raw["tp"], "tp", where, blank_ok=False), pp=_int(raw["pp"], "pp", where, blank_ok=False),
+        input_len=_int(raw["input_len"], "input_len", where, blank_ok=True),
+        output_len=_int(raw["output_len"], "output_len", where, blank_ok=True),
+        num_requests=_int(raw["num_requests"], "num_requests", where, blank_ok=True, minimum=1),
+        arrival=parse_arrival(raw["arrival"], where), metric=raw["metric"], value=value, notes=raw["notes"],
+        line=line, flags=frozenset(f for f in FLAGS if f in raw["notes"]))
+
+
+def read_measurements(path: str | Path) -> list[Measurement]:
+    """All rows of a measurements CSV, in file order. InputError on the first bad line (with its number)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("file not found", source=str(p)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read file ({exc.__class__.__name__})", source=str(p)) from None
+    lines = text.splitlines()
+    if not lines:
+        raise InputError("file is empty; expected the 17-column header", source=str(p))
+    header = [h.strip() for h in lines[0].lstrip("\ufeff").split(",")]
+    if tuple(header) != COLUMNS:
+        raise InputError(f"header must be exactly {','.join(COLUMNS)}", source=f"{p}:1")
+    rows: list[Measurement] = []
+    seen: dict[str, int] = {}
+    for n, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        row = parse_row(line.split(","), where, n)
+        if row.id in seen:
+            raise InputError(f"duplicate id '{row.id}' (first on line {seen[row.id]})", source=where, field="id")
+        seen[row.id] = n
+        rows.append(row)
+    if not rows:
+        raise InputError("has a header but no rows", source=str(p))
+    return rows

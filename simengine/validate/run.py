@@ -1,0 +1,266 @@
+"""Execute planned experiments and read each row's metric from the steps the engine ran.
+
+Every prediction that is a function of step times (step metrics, offline throughputs) is kept as a `Readout`
+(weights over steps) plus the steps' `StepFeatures`, so calibration re-prices exactly what validation ran.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simengine.core.batch import BatchShape
+from simengine.core.request import Request
+from simengine.cost.roofline import StepCost
+from simengine.engines.base import EnginePolicy
+from simengine.errors import InputError
+from simengine.sim.runner import Runner, build_deployment, build_engine
+from simengine.validate.experiments import (
+    LLAMA_BENCH_UBATCH,
+    RATE_METRICS,
+    Experiment,
+    Skip,
+    capped_requests,
+    plan_row,
+    scenario_for,
+)
+from simengine.validate.features import StepFeatures, step_features
+from simengine.validate.measurements import Measurement
+from simengine.validate.terms import ExtendedRoofline, read_engine_terms, split_terms
+
+
+@dataclass
+class Readout:
+    """metric = numerator / span for rates, or 1e3 * span for times in ms, where span = sum_k w_k . t_k over
+    the recorded step sequences k (replicas, and runs of different lengths)."""
+
+    rate: bool
+    numerator: float
+    weights: list[np.ndarray]
+
+    def value(self, seconds: list[np.ndarray]) -> float:
+        span = sum(float(np.dot(w, s)) for w, s in zip(self.weights, seconds, strict=True))
+        if span <= 0:
+            return math.nan
+        return self.numerator / span if self.rate else 1e3 * span
+
+
+@dataclass
+class Prediction:
+    """One row's predicted value, and how calibration can recompute it."""
+
+    row: Measurement
+    engine: str
+    predicted: float
+    readout: Readout | None = None
+    features: list[StepFeatures] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.predicted - self.row.value) / self.row.value
+
+
+class RecordingCost:
+    """Wraps a cost model for one replica and remembers every step's shape and seconds."""
+
+    def __init__(self, inner: ExtendedRoofline):
+        self.inner = inner
+        self.shapes: list[BatchShape] = []
+        self.seconds: list[float] = []
+
+    def step(self, shape: BatchShape) -> StepCost:
+        c = self.inner.step(shape)
+        self.shapes.append(shape)
+        self.seconds.append(c.seconds)
+        return c
+
+
+def calibrated_cost(exp: Experiment, eng: EnginePolicy, grammar_mask_s: float = 0.0) -> ExtendedRoofline:
+    """sim.runner.cost_model with the calibrated engine terms applied (mutates eng.timing)."""
+    timing, extras = split_terms(eng.timing, read_engine_terms().get(exp.engine, {}))
+    eng.timing = timing
+    d = eng.dep
+    return ExtendedRoofline(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
+                            tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
+                            expert_parallel=d.expert_parallel, extras=extras)
+
+
+# ---- step experiments ---------------------------------------------------------------------------------
+def _request(rid: int, prompt_len: int, computed: int, outputs: int) -> Request:
+    req = Request(rid, 0.0, np.zeros(prompt_len + outputs + 2, dtype=np.int32), prompt_len, outputs + 1)
+    req.num_computed_tokens, req.num_output_tokens = computed, outputs
+    return req
+
+
+def prefill_shapes(eng: EnginePolicy, batch: int, tokens: int, depth: int, ubatch: int | None) -> list[BatchShape]:
+    """`batch` prompts of `tokens` after `depth` cached tokens, in one forward or in ubatches (llama-bench).
+    A piece that does not reach the end of its prompt is a chunk without logits (make_shape's rule)."""
+    size = ubatch or batch * tokens
+    steps: list[list[tuple[Request, int]]] = []
+    cur: list[tuple[Request, int]] = []
+    for b in range(batch):
+        done = 0
+        while done < tokens:
+            n = min(tokens - done, size - sum(k for _, k in cur))
+            cur.append((_request(b, depth + tokens, depth + done, 0), n))
+            done += n
+            if sum(k for _, k in cur) == size:
+                steps.append(cur)
+                cur = []
+    if cur:
+        steps.append(cur)
+    return [eng.make_shape(s) for s in steps]
+
+
+def decode_shape(eng: EnginePolicy, batch: int, context: int) -> BatchShape:
+    """One decode step of `batch` sequences whose new token brings them to `context` (>= 1) tokens."""
+    return eng.make_shape([(_request(b, context - 1, context - 1, 1), 1) for b in range(batch)])
+
+
+def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Readout]:
+    """Shapes and readout of a step metric (Splitwise and llama-bench semantics, see experiments.py)."""
+    r, b = exp.row, exp.batch
+    depth = r.ctx_depth
+    if r.metric == "prefill_ms":
+        shapes = prefill_shapes(eng, b, r.input_len, depth, None)
+        return shapes, Readout(False, 1.0, [np.ones(len(shapes))])
+    if r.metric == "prefill_tok_s":
+        shapes = prefill_shapes(eng, b, r.input_len, depth, LLAMA_BENCH_UBATCH)
+        return shapes, Readout(True, float(b * r.input_len), [np.ones(len(shapes))])
+    start = (r.input_len or 0) + depth
+    if r.metric == "decode_step_ms":   # the median of O iterations: the one halfway through the generation
+        shapes = [decode_shape(eng, b, start + math.ceil(r.output_len / 2))]
+        return shapes, Readout(False, 1.0, [np.ones(1)])
+    shapes = [decode_shape(eng, b, start + i) for i in range(1, r.output_len + 1)]   # decode_tok_s
+    return shapes, Readout(True, float(b * r.output_len), [np.ones(len(shapes))])
+
+
+def run_step(exp: Experiment) -> Prediction:
+    dep = build_deployment(exp.scenario)
+    eng = build_engine(exp.entry, dep)
+    cost = calibrated_cost(exp, eng)
+    shapes, readout = step_plan(exp, eng)
+    seconds = np.array([cost.step(s).seconds for s in shapes])
+    return Prediction(exp.row, exp.engine, readout.value([seconds]), readout, [step_features(cost, shapes)],
+                      {"steps": len(shapes)})
+
+
+# ---- simulated experiments ----------------------------------------------------------------------------
+def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object]:
+    """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails."""
+    from simengine.metrics.frames import requests_frame
+
+    scenario = scenario_for(exp.row, exp.engine, n, exp.params)
+    runner = Runner(scenario, exp.entry)
+    rec_costs = []
+    for eng, rep in zip(runner.engines, runner.replicas, strict=True):
+        rc = RecordingCost(calibrated_cost(exp, eng, scenario.workload.structured_output.mask_s))
+        rep.cost = rc   # Replica reads self.cost when its process first runs, i.e. inside run()
+        rec_costs.append(rc)
+    frame = requests_frame(runner.run().recorder)
+    failed = frame[frame["status"] != "completed"]
+    if len(failed):
+        reason = failed["fail_reason"].iloc[0] or failed["status"].iloc[0]
+        raise InputError(f"{len(failed)} of {n} requests did not complete in simulation ({reason})")
+    return rec_costs, frame
+
+
+def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
+    """Offline throughput = requests x tokens / makespan, the makespan read from the steps (linear in them).
+
+    When the row ran more requests than `n`, a second run of n/2 requests gives the steady-state time per
+    request, T(n) - T(n/2) over n/2, and the makespan is extrapolated from the larger run: ramp-up and tail
+    appear in both runs and cancel. Without a request count the value is that steady-state rate.
+    """
+    r = exp.row
+    per_req = {"output_throughput_tok_s": r.output_len, "total_throughput_tok_s": r.input_len + r.output_len,
+               "request_throughput": 1}[r.metric]
+    full = exp.full_requests
+    runs = [_simulate(exp, n)[0]]
+    if full is None or full > n:
+        runs.append(_simulate(exp, n // 2)[0])
+        info["extrapolated"] = True
+    weights, feats, seconds = [], [], []
+    for k, costs in enumerate(runs):
+        if len(runs) == 1:
+            w = 1.0
+        elif full is None:
+            w = 1.0 if k == 0 else -1.0
+        else:
+            ratio = (full - n) / (n - n // 2)
+            w = 1.0 + ratio if k == 0 else -ratio
+        for c in costs:
+            weights.append(np.full(len(c.seconds), w / len(costs)))
+            feats.append(step_features(c.inner, c.shapes))
+            seconds.append(np.asarray(c.seconds))
+    numer = per_req * (full if full is not None else n - n // 2)
+    readout = Readout(True, float(numer), weights)
+    info["steps"] = int(sum(len(s) for s in seconds))
+    return Prediction(r, exp.engine, readout.value(seconds), readout, feats, info)
+
+
+def _latency_metric(metric: str, frame) -> float:
+    done = frame[frame["status"] == "completed"]
+    stat, _, name = metric.partition("_")
+    v = done[name].dropna().to_numpy()
+    if not len(v):
+        return math.nan
+    return float(np.mean(v) if stat == "mean" else np.median(v) if stat == "median" else np.percentile(v, 99))
+
+
+def run_sim(exp: Experiment) -> Prediction:
+    probe = build_engine(exp.entry, build_deployment(exp.scenario))
+    n = capped_requests(exp, probe.batch_size_limit, probe.kv_capacity_tokens())
+    info = {"simulated_requests": n, "full_requests": exp.full_requests}
+    r = exp.row
+    if r.metric in RATE_METRICS and r.arrival.kind in ("offline", "batch"):
+        return _offline_rate(exp, n, info)
+    _, frame = _simulate(exp, n)
+    if r.metric in RATE_METRICS:
+        duration = float(frame["finish_s"].max())
+        per = {"output_throughput_tok_s": frame["num_output_tokens"].sum(),
+               "total_throughput_tok_s": frame["num_output_tokens"].sum() + frame["prompt_len"].sum(),
+               "request_throughput": len(frame)}[r.metric]
+        return Prediction(r, exp.engine, float(per) / duration, info=info)
+    return Prediction(r, exp.engine, _latency_metric(r.metric, frame), info=info)
+
+
+def run_row(row: Measurement) -> Prediction | Skip:
+    """Plan and run one row; anything the simulator refuses becomes a Skip with its one-line reason."""
+    t0 = time.perf_counter()
+    exp = plan_row(row)
+    if isinstance(exp, Skip):
+        return exp
+    try:
+        pred = run_step(exp) if exp.kind == "step" else run_sim(exp)
+    except InputError as exc:
+        return Skip(row, str(exc))
+    except Exception as exc:  # an engine or simulator bug: report the row, keep validating the others
+        return Skip(row, f"simulator error: {exc.__class__.__name__}: {exc}")
+    pred.info["wall_s"] = round(time.perf_counter() - t0, 3)
+    pred.info["notes"] = "; ".join(exp.notes)
+    if not (math.isfinite(pred.predicted) and pred.predicted > 0):
+        return Skip(row, f"the simulation produced no value for {row.metric}")
+    return pred
+
+
+def run_rows(rows: list[Measurement], jobs: int = 2) -> list[Prediction | Skip]:
+    """Run every row, in `jobs` worker processes (results in row order)."""
+    if jobs <= 1 or len(rows) <= 1:
+        return [run_row(r) for r in rows]
+    import multiprocessing as mp
+
+    # the slow simulated rows first, so the pool does not end waiting on one of them
+    order = sorted(range(len(rows)), key=lambda i: rows[i].metric.endswith(("_ms", "tok_s")) and
+                   rows[i].arrival.kind in ("single", "batch"))
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+    with ctx.Pool(jobs) as pool:
+        results = pool.map(run_row, [rows[i] for i in order], chunksize=1)
+    out: list[Prediction | Skip] = [None] * len(rows)  # type: ignore[list-item]
+    for i, res in zip(order, results, strict=True):
+        out[i] = res
+    return out

@@ -1,0 +1,83 @@
+"""Row -> experiment mapping: engine, deployment, arrival, benchmark-tool knobs, and skips with reasons."""
+
+import dataclasses
+
+import pytest
+
+from simengine.validate.bench_tools import trtllm_bench_params
+from simengine.validate.experiments import Experiment, Skip, plan_row
+from simengine.validate.measurements import Arrival, Measurement
+from simengine.validate.run import run_row
+
+
+def row(**kw) -> Measurement:
+    base = dict(id="r", source="s", engine="unknown", model="llama-2-70b", weight_dtype="fp16", kv_dtype="fp16",
+                hardware="a100_80g_sxm", num_gpus=4, tp=4, pp=1, input_len=512, output_len=128, num_requests=2,
+                arrival=Arrival(kind="batch", value=2), metric="prefill_ms", value=250.0, notes="")
+    base.update(kw)
+    return Measurement(**base)
+
+
+def test_unknown_engine_maps_to_generic_step_experiment():
+    exp = plan_row(row())
+    assert isinstance(exp, Experiment)
+    assert exp.kind == "step" and exp.engine == "generic" and exp.batch == 2
+    d = exp.scenario.deployment
+    assert (d.hardware, d.model, d.tp, d.pp, d.replicas, d.kv_dtype) == ("a100_80g_sxm", "llama-2-70b", 4, 1, 1, "fp16")
+
+
+def test_offline_throughput_row_with_data_parallel_replicas():
+    exp = plan_row(row(engine="vllm", model="llama-3.1-8b", weight_dtype="bf16", hardware="h100_sxm", num_gpus=8,
+                       tp=2, num_requests=1000, arrival=Arrival(kind="offline"), metric="output_throughput_tok_s"))
+    assert exp.kind == "sim" and exp.engine == "vllm" and exp.full_requests == 1000
+    assert exp.scenario.deployment.replicas == 4
+    wl = exp.scenario.workload
+    assert wl.arrival.process == "offline" and wl.input_tokens.value == 512 and wl.output_tokens.value == 128
+
+
+@pytest.mark.parametrize("arrival, process", [(Arrival(kind="poisson", value=2.5), "poisson"),
+                                              (Arrival(kind="concurrency", value=16), "closed_loop"),
+                                              (Arrival(kind="single"), "closed_loop")])
+def test_online_arrivals(arrival, process):
+    exp = plan_row(row(engine="vllm", model="llama-3.1-8b", hardware="h100_sxm", num_gpus=1, tp=1, arrival=arrival,
+                       metric="mean_ttft_ms", num_requests=50))
+    assert exp.scenario.workload.arrival.process == process and exp.scenario.workload.num_requests == 50
+    if process == "closed_loop":
+        assert exp.scenario.workload.arrival.concurrency == (16 if arrival.kind == "concurrency" else 1)
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(engine="mlc-llm-x"), None),  # rejected by the reader's engine list; here: a registry miss
+    (dict(tp=0), "tp/pp not stated"),
+    (dict(num_gpus=6), "not a multiple of tp*pp"),
+    (dict(input_len=None, notes="dataset=openorca (MLPerf)"), "input_len not stated (dataset=openorca"),
+    (dict(metric="decode_step_ms", arrival=Arrival(kind="offline")), "needs arrival single or batch"),
+    (dict(hardware="tpu_v5"), "unknown hardware 'tpu_v5'"),
+])
+def test_rows_that_cannot_run_are_skipped_with_a_reason(kw, reason):
+    r = row(**kw)
+    res = run_row(r)
+    assert isinstance(res, Skip)
+    assert reason is None or reason in res.reason, res.reason
+
+
+def test_unsupported_dtype_and_unfit_model_are_skipped():
+    fp8 = run_row(row(weight_dtype="fp8"))        # no FP8 tensor cores on Ampere
+    assert isinstance(fp8, Skip) and "fp8" in fp8.reason
+    big = run_row(row(model="llama-3.1-405b", num_gpus=1, tp=1))
+    assert isinstance(big, Skip) and "does not fit" in big.reason
+    apple = run_row(row(engine="trtllm", hardware="apple_m2_ultra", model="llama-2-7b", num_gpus=1, tp=1))
+    assert isinstance(apple, Skip)
+
+
+def test_trtllm_bench_settings_follow_the_tool_heuristic():
+    r = row(engine="trtllm", model="llama-3.1-8b", weight_dtype="fp8", kv_dtype="fp8", hardware="h100_sxm",
+            num_gpus=1, tp=1, input_len=128, output_len=128, notes="trtllm-bench throughput")
+    p = trtllm_bench_params(r)
+    # 8B FP8 on 80 GB: ~4150 requests of 256 tokens fit -> capped at 4096, 256-aligned; tokens 4096*(1+1)
+    assert p["max_batch_size"] == 4096 and p["max_num_tokens"] == 8192
+    long = trtllm_bench_params(dataclasses.replace(r, input_len=20000, output_len=2000))
+    assert long["max_num_tokens"] >= 20000 + long["max_batch_size"]   # chunking off: max ISL must fit
+    exp = plan_row(dataclasses.replace(r, arrival=Arrival(kind="offline"), metric="output_throughput_tok_s",
+                                       num_requests=3000))
+    assert exp.params["max_batch_size"] == 4096 and "trtllm-bench settings" in exp.notes[0]

@@ -1,0 +1,79 @@
+"""End to end: a throughput row through the simulator and step-latency rows through the engine's timing."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from simengine.api import run_engine
+from simengine.core.batch import BatchShape
+from simengine.cost.roofline import RooflineCost
+from simengine.sim.runner import build_deployment, build_engine
+from simengine.validate import experiments, terms
+from simengine.validate.experiments import plan_row
+from simengine.validate.measurements import Arrival, Measurement
+from simengine.validate.run import Prediction, run_row
+
+
+@pytest.fixture(autouse=True)
+def no_calibrated_terms(tmp_path, monkeypatch):
+    """Price with the engines' own timing only, whatever the repo's calibration YAML holds."""
+    monkeypatch.setattr(terms, "ENGINE_TERMS_PATH", tmp_path / "none.yaml")
+
+
+def row(**kw) -> Measurement:
+    base = dict(id="r", source="s", engine="vllm", model="llama-3.1-8b", weight_dtype="bf16", kv_dtype="fp16",
+                hardware="h100_sxm", num_gpus=1, tp=1, pp=1, input_len=256, output_len=128, num_requests=300,
+                arrival=Arrival(kind="offline"), metric="output_throughput_tok_s", value=10000.0, notes="")
+    base.update(kw)
+    return Measurement(**base)
+
+
+def test_throughput_row_equals_the_simulators_own_summary():
+    r = row()
+    pred = run_row(r)
+    assert isinstance(pred, Prediction) and pred.info["simulated_requests"] == 300
+    summary = run_engine(plan_row(r).scenario, plan_row(r).entry).summary
+    assert pred.predicted == pytest.approx(summary["output_throughput"], rel=1e-6)
+    assert pred.error_pct == pytest.approx(100 * (pred.predicted / 10000.0 - 1))
+    total = run_row(dataclasses.replace(r, metric="total_throughput_tok_s"))
+    assert total.predicted == pytest.approx(pred.predicted * (256 + 128) / 128, rel=1e-9)
+
+
+def test_capped_offline_run_extrapolates_within_one_percent(monkeypatch):
+    r = row(input_len=64, output_len=64, num_requests=6000)
+    full = run_row(r)
+    monkeypatch.setattr(experiments, "WAVES", 2)   # simulate 2 and 1 x concurrency requests, extrapolate
+    capped = run_row(r)
+    assert capped.info["simulated_requests"] < 3000 and capped.info.get("extrapolated")
+    assert capped.predicted == pytest.approx(full.predicted, rel=0.01)
+
+
+def test_decode_step_row_is_one_engine_step_priced_by_the_cost_model():
+    r = row(engine="unknown", model="llama-2-70b", weight_dtype="fp16", hardware="a100_80g_sxm", num_gpus=4, tp=4,
+            input_len=512, output_len=128, num_requests=4, arrival=Arrival(kind="batch", value=4),
+            metric="decode_step_ms", value=45.0)
+    pred = run_row(r)
+    exp = plan_row(r)
+    dep = build_deployment(exp.scenario)
+    eng = build_engine(exp.entry, dep)
+    cost = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=4,
+                        timing=eng.timing)
+    ctx = 512 + 64   # the median iteration of 128: halfway through the generation
+    shape = BatchShape(num_decode=4, decode_context_tokens=4 * ctx, num_logits=4, padded_decode=4)
+    assert pred.predicted == pytest.approx(1e3 * cost.step(shape).seconds, rel=1e-9)
+    prefill = run_row(dataclasses.replace(r, metric="prefill_ms"))
+    shape = BatchShape(prefill_chunks=[(512, 0)] * 4, num_logits=4)
+    assert prefill.predicted == pytest.approx(1e3 * cost.step(shape).seconds, rel=1e-9)
+
+
+def test_llama_bench_rows_use_ubatches_and_context_depth():
+    base = row(engine="llamacpp", model="llama-2-7b", weight_dtype="q4_0", hardware="apple_m2_ultra",
+               arrival=Arrival(kind="single"), num_requests=None, output_len=0, input_len=2048,
+               metric="prefill_tok_s", notes="pp2048 @ d4096; ctx_depth=4096")
+    pp = run_row(base)
+    assert pp.info["steps"] == 4   # 2048 prompt tokens in ubatches of 512
+    f = pp.features[0]
+    assert np.all(f.att_c[1:] > f.att_c[:-1])   # each ubatch attends to a deeper context
+    tg = run_row(dataclasses.replace(base, input_len=0, output_len=128, metric="decode_tok_s", notes="tg128"))
+    assert tg.info["steps"] == 128 and 5 < tg.predicted < 500
