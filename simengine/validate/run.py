@@ -17,7 +17,7 @@ from simengine.core.request import Request
 from simengine.cost.roofline import StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.errors import InputError
-from simengine.sim.runner import Runner, build_deployment, build_engine
+from simengine.sim.runner import Runner, build_deployment, build_engine, cost_model
 from simengine.validate.experiments import (
     LLAMA_BENCH_UBATCH,
     RATE_METRICS,
@@ -29,7 +29,7 @@ from simengine.validate.experiments import (
 )
 from simengine.validate.features import StepFeatures, step_features
 from simengine.validate.measurements import Measurement
-from simengine.validate.terms import ExtendedRoofline, read_engine_terms, split_terms
+from simengine.validate.terms import ExtendedRoofline
 
 
 @dataclass
@@ -77,16 +77,6 @@ class RecordingCost:
         self.shapes.append(shape)
         self.seconds.append(c.seconds)
         return c
-
-
-def calibrated_cost(exp: Experiment, eng: EnginePolicy, grammar_mask_s: float = 0.0) -> ExtendedRoofline:
-    """sim.runner.cost_model with the calibrated engine terms applied (mutates eng.timing)."""
-    timing, extras = split_terms(eng.timing, read_engine_terms().get(exp.engine, {}))
-    eng.timing = timing
-    d = eng.dep
-    return ExtendedRoofline(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                            tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
-                            expert_parallel=d.expert_parallel, extras=extras)
 
 
 # ---- step experiments ---------------------------------------------------------------------------------
@@ -142,7 +132,7 @@ def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Rea
 def run_step(exp: Experiment) -> Prediction:
     dep = build_deployment(exp.scenario)
     eng = build_engine(exp.entry, dep)
-    cost = calibrated_cost(exp, eng)
+    cost = cost_model(eng)   # the simulator's own: the roofline with the engine's calibrated terms
     shapes, readout = step_plan(exp, eng)
     seconds = np.array([cost.step(s).seconds for s in shapes])
     return Prediction(exp.row, exp.engine, readout.value([seconds]), readout, [step_features(cost, shapes)],
@@ -157,8 +147,8 @@ def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object]:
     scenario = scenario_for(exp.row, exp.engine, n, exp.params)
     runner = Runner(scenario, exp.entry)
     rec_costs = []
-    for eng, rep in zip(runner.engines, runner.replicas, strict=True):
-        rc = RecordingCost(calibrated_cost(exp, eng, scenario.workload.structured_output.mask_s))
+    for rep in runner.replicas:
+        rc = RecordingCost(rep.cost)
         rep.cost = rc   # Replica reads self.cost when its process first runs, i.e. inside run()
         rec_costs.append(rc)
     frame = requests_frame(runner.run().recorder)
