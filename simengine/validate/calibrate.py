@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from simengine.config.hardware import hardware_files, load_hardware
+from simengine.cost.calibrated import read_engine_terms
 from simengine.validate.calibration_io import write_engine_terms, write_hardware_calibration
 from simengine.validate.fit import FitData, Param, least_squares
 from simengine.validate.measurements import read_measurements
 from simengine.validate.run import Prediction, run_rows
-from simengine.validate.terms import read_engine_terms
 
 MIN_DEVICE_ROWS = 6     # fewer usable rows than this: the device shares its vendor's fractions
 HUBER = 0.10            # beyond 10 % (log) residuals count linearly: the spread of repeated or second-hand values

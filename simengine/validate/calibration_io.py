@@ -6,15 +6,15 @@ import re
 from pathlib import Path
 
 from simengine.config.hardware import load_hardware_file
+from simengine.cost.calibrated import ENGINE_TERMS_PATH, read_engine_terms
 from simengine.errors import InputError
-from simengine.validate.terms import ENGINE_TERMS_PATH, read_engine_terms
 
 ENGINE_HEADER = """\
 # Calibrated per-engine overhead terms, written by `simengine calibrate FILE.csv --write` (docs/validation.md).
 # engines.<registry name>.terms: named terms; a name that is an EngineTiming field (scheduler_cpu_s,
 # output_cpu_s, kernel_launch_s, graph_replay_s) replaces that field, the others are the proposed roofline
 # terms (layer_latency_s, allreduce_hop_latency_s, allreduce_bandwidth_fraction, seq_cpu_s) documented in
-# simengine/validate/terms.py. The other keys are provenance: rows used, median |error| on them, source, date.
+# simengine/cost/calibrated.py. The other keys are provenance: rows used, median |error| on them, source, date.
 """
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from simengine.core.batch import BatchShape
+from simengine.cost.calibrated import PROPOSED_TERMS
 from simengine.cost.roofline import RooflineCost
-from simengine.validate.terms import PROPOSED_TERMS
 
 
 @dataclass

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simengine.cost.calibrated import PROPOSED_TERMS
 from simengine.validate.run import Prediction
-from simengine.validate.terms import PROPOSED_TERMS
 
 HOST_TERMS = ("scheduler_cpu_s", "output_cpu_s")
 TERM_NAMES = (*PROPOSED_TERMS, *HOST_TERMS)

@@ -14,6 +14,7 @@ import numpy as np
 
 from simengine.core.batch import BatchShape
 from simengine.core.request import Request
+from simengine.cost.calibrated import ExtendedRoofline
 from simengine.cost.roofline import StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.errors import InputError
@@ -29,7 +30,6 @@ from simengine.validate.experiments import (
 )
 from simengine.validate.features import StepFeatures, step_features
 from simengine.validate.measurements import Measurement
-from simengine.validate.terms import ExtendedRoofline
 
 
 @dataclass

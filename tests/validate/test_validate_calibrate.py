@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from simengine.config.hardware import hardware_files, load_hardware_file
+from simengine.cost import calibrated as terms
 from simengine.errors import InputError
-from simengine.validate import calibrate, terms
+from simengine.validate import calibrate
 from simengine.validate.calibration_io import write_engine_terms, write_hardware_calibration
 from simengine.validate.fit import FitData
 from simengine.validate.measurements import Arrival, Measurement

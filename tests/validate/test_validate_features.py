@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from simengine.core.batch import BatchShape
+from simengine.cost.calibrated import ExtendedRoofline, split_terms
 from simengine.cost.roofline import RooflineCost
 from simengine.cost.timing import EngineTiming
 from simengine.validate.features import price, step_features
-from simengine.validate.terms import ExtendedRoofline, split_terms
 from tests.conftest import make_dep
 
 TIMINGS = {

@@ -7,9 +7,10 @@ import pytest
 
 from simengine.api import run_engine
 from simengine.core.batch import BatchShape
+from simengine.cost import calibrated as terms
 from simengine.cost.roofline import RooflineCost
 from simengine.sim.runner import build_deployment, build_engine
-from simengine.validate import experiments, terms
+from simengine.validate import experiments
 from simengine.validate.experiments import plan_row
 from simengine.validate.measurements import Arrival, Measurement
 from simengine.validate.run import Prediction, run_row

@@ -1,4 +1,4 @@
-"""Calibrated per-engine overhead terms: the YAML they live in, and the step-cost terms the roofline lacks so far.
+"""Calibrated per-engine overhead terms: the YAML they live in, and the step-cost terms they add to the roofline.
 
 `simengine/engines/calibration.yaml` maps an engine's registry name to named overhead terms. A term whose name
 is an `EngineTiming` field (scheduler_cpu_s, output_cpu_s, kernel_launch_s, graph_replay_s) replaces that field;
