@@ -193,6 +193,16 @@ class PagedEngine(EnginePolicy):
         for req in finished:
             self.kv.free(req)
 
+    def drop_for_recompute(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the request's KV and progress (its full blocks may stay in the prefix
+        cache); the caller requeues it where its engine does."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
         held = {b for r in self.running for b in self.kv.req_blocks.get(r.request_id, ())}

@@ -134,12 +134,7 @@ class SarathiEngine(PagedEngine):
         return used
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = Status.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(req)
+        self.drop_for_recompute(req, out)
         self.waiting.appendleft(req)  # BaseScheduler._preempt: waiting.insert(0, seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, used: int, now: float) -> None:

@@ -195,12 +195,7 @@ class VllmEngine(PagedEngine):
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = Status.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(req)
+        self.drop_for_recompute(req, out)
         self._push_waiting(req, front=True)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:

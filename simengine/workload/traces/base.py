@@ -31,7 +31,8 @@ class Trace:
     arrival_s: np.ndarray        # float64, seconds since the first kept row (first is 0.0), non-decreasing
     input_tokens: np.ndarray     # int64 >= 1
     output_tokens: np.ndarray    # int64 >= 1 (rows with 0 output: clamp to 1 and document)
-    block_hash_ids: tuple[np.ndarray, ...] | None  # Mooncake only: per request, int64 hash ids of hash_block_tokens-token blocks
+    # Mooncake only: per request, int64 hash ids of hash_block_tokens-token blocks
+    block_hash_ids: tuple[np.ndarray, ...] | None
     hash_block_tokens: int       # 512 for Mooncake, 0 otherwise
     source: str                  # path it came from
 
