@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: sim test fuzz bench lint clean venv
+.PHONY: sim test test-all fuzz bench lint clean venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ sim: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-all: $(STAMP)   # also the long queueing-theory runs and every bad-input case in its own process
+	SIMENGINE_SLOW=1 $(BIN)/python -m pytest
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest tests/test_fuzz_invariants.py -q -p tests.fuzz_report --hypothesis-profile=fuzz
