@@ -208,12 +208,7 @@ def _capacity_req_s(engine: str) -> float:
     return run_engine(sc, EngineEntry(engine=engine)).summary["request_throughput"]
 
 
-_TGI_GAP = pytest.mark.xfail(reason="metrics/summary.py sets overloaded only from unfinished requests; TGI answers "
-                              "429 (max_concurrent_requests) to most of a 3x load, so nothing is unfinished",
-                             strict=True)
-
-
-@pytest.mark.parametrize("engine", ["vllm", pytest.param("tgi", marks=[pytest.mark.slow, _TGI_GAP]),
+@pytest.mark.parametrize("engine", ["vllm", pytest.param("tgi", marks=pytest.mark.slow),
                                     pytest.param("sglang", marks=pytest.mark.slow)])
 def test_overload_at_three_times_capacity_is_bounded_and_flagged(engine, tmp_path):
     if engine not in _engines_on("h100_sxm"):
