@@ -16,6 +16,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.memory import Deployment
 from simengine.kvcache.manager import KVCacheManager
+from simengine.kvcache.radix import RadixCache
 from simengine.registry import Registry
 
 
@@ -209,6 +210,21 @@ class PagedEngine(EnginePolicy):
         assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once
         if self.batch_size_limit is not None:
             assert len(self.running) <= self.batch_size_limit
+
+
+class RadixCacheViews:
+    """KV views of engines whose KV is a token radix cache in `self.cache` (SGLang, TGI)."""
+
+    cache: RadixCache
+
+    def kv_usage(self) -> float:
+        return self.cache.usage()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.capacity
+
+    def prefix_hit_rate(self) -> float:
+        return self.cache.hit_rate()
 
 
 ENGINES: Registry[EnginePolicy] = Registry("engine")

@@ -19,7 +19,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.radix import RadixCache
@@ -116,7 +116,7 @@ class _Adder:
 
 
 @ENGINES.register("sglang")
-class SglangEngine(EnginePolicy):
+class SglangEngine(RadixCacheViews, EnginePolicy):
     Params = SglangParams
     vendors = frozenset({"nvidia", "amd", "huawei"})
     support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
@@ -178,14 +178,8 @@ class SglangEngine(EnginePolicy):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def kv_usage(self) -> float:
-        return self.cache.usage()
 
-    def kv_capacity_tokens(self) -> int:
-        return self.cache.capacity
 
-    def prefix_hit_rate(self) -> float:
-        return self.cache.hit_rate()
 
     def _enqueue(self, req: Request) -> None:
         self._seq += 1

@@ -21,7 +21,7 @@ from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.radix import RadixCache, RadixHold
@@ -83,7 +83,7 @@ class _Entry:
 
 
 @ENGINES.register("tgi")
-class TgiEngine(EnginePolicy):
+class TgiEngine(RadixCacheViews, EnginePolicy):
     Params = TgiParams
     vendors = frozenset({"nvidia", "amd", "intel"})
     support_source = ("TGI docs 'Supported hardware': NVIDIA CUDA, AMD ROCm (MI210/MI250/MI300), Intel Gaudi "
@@ -137,14 +137,8 @@ class TgiEngine(EnginePolicy):
     def num_waiting(self) -> int:
         return len(self.queue)
 
-    def kv_usage(self) -> float:
-        return self.cache.usage()
 
-    def kv_capacity_tokens(self) -> int:
-        return self.cache.capacity
 
-    def prefix_hit_rate(self) -> float:
-        return self.cache.hit_rate()
 
     def add_request(self, req: Request, now: float) -> bool:
         p = self.params
