@@ -145,6 +145,8 @@ class Runner:
 
     def _on_done(self, req: Request, replica: int) -> None:
         self.live.pop(req.request_id, None)
+        if req.status is Status.FAILED and req.finish_s < 0:
+            req.finish_s = self.env.now  # when the engine refused it: requests.csv's finish_s of a failed row
         self.recorder.finished(req, replica)
         ev = self.waiters.pop(req.request_id, None)
         if ev is not None:
