@@ -42,6 +42,8 @@ class EnginePolicy(ABC):
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
+    # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
+    supports_pipeline_microbatches: ClassVar[bool] = False
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)

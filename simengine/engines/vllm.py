@@ -73,6 +73,7 @@ class VllmEngine(PagedEngine):
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
+    supports_pipeline_microbatches = True  # v1/engine/core.py step_with_batch_queue: pp batches in flight
 
     def __init__(self, params: VllmParams, dep: Deployment):
         seqs, batched = vllm_batch_defaults(dep)
@@ -104,6 +105,7 @@ class VllmEngine(PagedEngine):
         self.waiting: deque[Request] = deque()
         self.waiting_heap: list[tuple[int, float, int, Request]] = []
         self.priority = p.scheduling_policy == "priority"
+        self.in_flight: set[int] = set()  # requests of batches still in the pipeline (pp > 1) are not rescheduled
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -148,7 +150,13 @@ class VllmEngine(PagedEngine):
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
         out.shape = self.make_shape(out.scheduled)
+        if self.dep.pp > 1:
+            self.in_flight.update(r.request_id for r, _ in out.scheduled)
         return out
+
+    def update(self, out: SchedulerOutput, now: float):
+        self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
+        return super().update(out, now)
 
     def _cap(self, n: int, budget: int, alone: bool) -> int:
         t = self.params.long_prefill_token_threshold
@@ -170,15 +178,21 @@ class VllmEngine(PagedEngine):
             req = running[i]
             n = req.prompt_len + req.num_output_tokens - req.num_computed_tokens
             n = self._cap(n, budget, alone) if threshold or n > budget else n
-            if n <= 0:
+            if n <= 0 or req.request_id in self.in_flight:
                 i += 1
                 continue
+            blocked = False
             while not allocate(req, n):
                 victim = self._victim()
                 alone = False
+                if victim is None:  # every other request is in flight: wait for a batch to come back
+                    blocked = True
+                    break
                 self._preempt(victim, out)
                 if victim is req:
                     break
+            if blocked:
+                break
             if req.status is Status.PREEMPTED:
                 if self.priority:
                     continue  # running shrank; the same index now holds the next request
@@ -188,10 +202,13 @@ class VllmEngine(PagedEngine):
             i += 1
         return budget
 
-    def _victim(self) -> Request:
+    def _victim(self) -> Request | None:
+        idle = [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight else self.running
+        if not idle:
+            return None
         if self.priority:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_s))
-        return self.running[-1]
+            return max(idle, key=lambda r: (r.priority, r.arrival_s))
+        return idle[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

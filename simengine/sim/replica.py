@@ -75,3 +75,58 @@ class Replica:
             for req in res.finished:
                 self.on_done(req, self.index)
         return False
+
+
+class PipelinedReplica(Replica):
+    """Pipeline parallelism with `stages` micro-batches in flight (vLLM V1's batch queue under PP): a new batch
+    enters the first stage every stage time (step time / stages) while each batch needs the whole step time to
+    come out, so throughput scales with the stages and one request's latency does not improve. The engine must
+    skip requests whose batch is still in flight (`EnginePolicy.supports_pipeline_microbatches`)."""
+
+    def __init__(self, *args, stages: int, **kw):
+        self.stages = stages
+        super().__init__(*args, **kw)
+        self.entry = simpy.Resource(self.env, capacity=1)  # the first stage: one micro-batch enters at a time
+        self._changed = self.env.event()
+
+    def _notify(self) -> None:
+        ev, self._changed = self._changed, self.env.event()
+        ev.succeed()
+
+    def submit(self, req: Request) -> None:
+        if not self.engine.add_request(req, self.env.now):
+            self.on_done(req, self.index)
+            return
+        self._notify()
+
+    def run(self):
+        for _ in range(self.stages):
+            self.env.process(self._lane())
+        yield self.env.timeout(0)
+
+    def _lane(self):
+        env, engine, rec = self.env, self.engine, self.recorder
+        while True:
+            out = engine.schedule(env.now) if engine.has_work() else None
+            for req in out.rejected if out else ():
+                self.on_done(req, self.index)
+            if out is None or out.is_empty:  # everything runnable is in flight (or nothing waits): wait
+                yield self._changed
+                continue
+            c = self.cost.step(out.shape)
+            start = env.now
+            with self.entry.request() as hold:
+                yield hold
+                yield env.timeout(c.seconds / self.stages)
+            yield env.timeout(c.seconds - c.seconds / self.stages)
+            res = engine.update(out, env.now)
+            shape = out.shape
+            rec.step((self.index, start, env.now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
+                      engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
+                      c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
+                     env.now, res.itl_groups)
+            if self.check:
+                engine.check_invariants()
+            for req in res.finished:
+                self.on_done(req, self.index)
+            self._notify()

@@ -19,7 +19,7 @@ from simengine.engines import ENGINES, EnginePolicy
 from simengine.engines.memory import Deployment
 from simengine.errors import InputError
 from simengine.metrics.recorder import Recorder
-from simengine.sim.replica import Replica
+from simengine.sim.replica import PipelinedReplica, Replica
 from simengine.workload.generator import RequestFactory, SessionPlan
 
 # A closed-loop client whose request is refused at once waits this long before its next one (1 s, like a
@@ -111,14 +111,19 @@ class Runner:
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
         self.replicas = [
-            Replica(self.env, i, eng, cost_model(eng, wl.structured_output.mask_s),
-                    self.recorder, self._on_done, check_invariants=check_invariants)
+            self._replica(i, eng, cost_model(eng, wl.structured_output.mask_s), check_invariants)
             for i, eng in enumerate(self.engines)]
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
         self.sources_open = 0
         self.all_done = self.env.event()
         self._rr = 0
+
+    def _replica(self, i: int, eng: EnginePolicy, cost, check: bool) -> Replica:
+        if self.dep.pp > 1 and eng.supports_pipeline_microbatches:
+            return PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done, check_invariants=check,
+                                    stages=self.dep.pp)
+        return Replica(self.env, i, eng, cost, self.recorder, self._on_done, check_invariants=check)
 
     # ---- routing and completion ---------------------------------------------------------------------
     def submit(self, req: Request) -> None:
