@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import simpy
 
+from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
-from simengine.cost.roofline import RooflineCost
+from simengine.cost.roofline import RooflineCost, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.metrics.recorder import Recorder
 
@@ -51,7 +52,7 @@ class Replica:
                 yield self._wake
 
     def _busy_period(self):
-        env, engine, cost, rec = self.env, self.engine, self.cost, self.recorder
+        env, engine, cost = self.env, self.engine, self.cost
         while engine.has_work():
             out = engine.schedule(env.now)
             for req in out.rejected:
@@ -64,17 +65,22 @@ class Replica:
             c = cost.step(out.shape)
             start = env.now
             yield env.timeout(c.seconds)
-            res = engine.update(out, env.now)
-            shape = out.shape
-            rec.step((self.index, start, env.now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
-                      engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
-                      c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
-                     env.now, res.itl_groups)
-            if self.check:
-                engine.check_invariants()
-            for req in res.finished:
-                self.on_done(req, self.index)
+            self._complete(out, c, start)
         return False
+
+    def _complete(self, out: SchedulerOutput, c: StepCost, start: float) -> None:
+        """A step's batch came back: apply it to the engine, record the step, report finished requests."""
+        engine, now = self.engine, self.env.now
+        res = engine.update(out, now)
+        shape = out.shape
+        self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
+                            engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
+                            c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
+                           now, res.itl_groups)
+        if self.check:
+            engine.check_invariants()
+        for req in res.finished:
+            self.on_done(req, self.index)
 
 
 class PipelinedReplica(Replica):
@@ -105,7 +111,7 @@ class PipelinedReplica(Replica):
         yield self.env.timeout(0)
 
     def _lane(self):
-        env, engine, rec = self.env, self.engine, self.recorder
+        env, engine = self.env, self.engine
         while True:
             out = engine.schedule(env.now) if engine.has_work() else None
             for req in out.rejected if out else ():
@@ -119,14 +125,5 @@ class PipelinedReplica(Replica):
                 yield hold
                 yield env.timeout(c.seconds / self.stages)
             yield env.timeout(c.seconds - c.seconds / self.stages)
-            res = engine.update(out, env.now)
-            shape = out.shape
-            rec.step((self.index, start, env.now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
-                      engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
-                      c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
-                     env.now, res.itl_groups)
-            if self.check:
-                engine.check_invariants()
-            for req in res.finished:
-                self.on_done(req, self.index)
+            self._complete(out, c, start)
             self._notify()
