@@ -155,7 +155,8 @@ class VllmEngine(PagedEngine):
         return out
 
     def update(self, out: SchedulerOutput, now: float):
-        self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
+        if self.in_flight:
+            self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         return super().update(out, now)
 
     def _cap(self, n: int, budget: int, alone: bool) -> int:
@@ -173,12 +174,13 @@ class VllmEngine(PagedEngine):
         alone = self._alone()
         threshold = self.params.long_prefill_token_threshold
         allocate = self.kv.allocate_slots
+        in_flight = self.in_flight
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.prompt_len + req.num_output_tokens - req.num_computed_tokens
             n = self._cap(n, budget, alone) if threshold or n > budget else n
-            if n <= 0 or req.request_id in self.in_flight:
+            if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
             blocked = False
