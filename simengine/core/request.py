@@ -27,7 +27,7 @@ class Request:
         "request_id", "arrival_s", "prompt_len", "output_len", "max_tokens", "token_ids", "priority",
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
-        "block_hashes", "fail_reason", "slo_class", "engine_state", "structured",
+        "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
@@ -60,6 +60,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.fail_reason = ""
         self.engine_state = None      # a policy's private per-request bookkeeping
+        self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or
+                                      # prefix publish (its per-step fast path); 0 = ask the manager
 
     @property
     def num_tokens(self) -> int:

@@ -111,22 +111,27 @@ class EnginePolicy(ABC):
         """Advance computed tokens; a request that caught up samples one token; finished ones are released."""
         res = StepResult()
         itl = res.itl_groups
+        itl_get = itl.get
+        finished = res.finished
         for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.prompt_len + req.num_output_tokens:
+            computed = req.num_computed_tokens + n
+            req.num_computed_tokens = computed
+            produced = req.num_output_tokens
+            if computed < req.prompt_len + produced:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.num_output_tokens += 1
-            if req.num_output_tokens == 1:
+            produced += 1
+            req.num_output_tokens = produced
+            if produced == 1:
                 req.first_token_s = now
                 res.num_first_tokens += 1
             else:
                 last = req.last_token_s
-                itl[last] = itl.get(last, 0) + 1
+                itl[last] = itl_get(last, 0) + 1
             req.last_token_s = now
-            if req.num_output_tokens >= req.output_len:
+            if produced >= req.output_len:
                 req.status = Status.FINISHED
                 req.finish_s = now
-                res.finished.append(req)
+                finished.append(req)
         if res.finished:
             self.on_finished(res.finished, now)
         return res
@@ -142,16 +147,18 @@ class EnginePolicy(ABC):
         chunks = shape.prefill_chunks
         num_decode = ctx = logits = structured = 0
         for req, n in scheduled:
-            structured += req.structured
+            if req.structured:
+                structured += 1
+            computed = req.num_computed_tokens
             total = req.prompt_len + req.num_output_tokens
-            if n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == total - 1:
+            if n == 1 and computed == total - 1 and req.num_output_tokens:
                 num_decode += 1
                 ctx += total
-                logits += 1
             else:
-                chunks.append((n, req.num_computed_tokens))
-                if req.num_computed_tokens + n >= total:
-                    logits += 1
+                chunks.append((n, computed))
+                if computed + n < total:
+                    continue
+            logits += 1
         shape.num_decode, shape.decode_context_tokens, shape.num_logits = num_decode, ctx, logits
         shape.num_structured = structured
         shape.cuda_graph, shape.padded_decode = self.timing.graph_for(num_decode, not chunks)

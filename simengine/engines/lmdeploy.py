@@ -331,14 +331,7 @@ class LmdeployEngine(EnginePolicy):
             kv.free(holder)   # not a continuation of that history (sequence_start): start over
             return
         kv.free_tail(holder, valid)
-        # hand the block table over to the new turn. NOTE: reaches into KVCacheManager's tables; a
-        # KVCacheManager.transfer(src, dst) method would keep this inside the manager.
-        blocks = kv.req_blocks.pop(holder.request_id, None)
-        if blocks:
-            kv.req_blocks[req.request_id] = blocks
-        hashed = kv.req_hashed.pop(holder.request_id, None)
-        if hashed is not None:
-            kv.req_hashed[req.request_id] = hashed
+        kv.transfer(holder, req)   # the new turn continues in the previous turn's blocks
         req.num_computed_tokens = valid
 
     def check_invariants(self) -> None:

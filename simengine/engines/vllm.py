@@ -175,12 +175,20 @@ class VllmEngine(PagedEngine):
         threshold = self.params.long_prefill_token_threshold
         allocate = self.kv.allocate_slots
         in_flight = self.in_flight
+        schedule = out.scheduled.append
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.prompt_len + req.num_output_tokens - req.num_computed_tokens
-            n = self._cap(n, budget, alone) if threshold or n > budget else n
+            computed = req.num_computed_tokens
+            n = req.prompt_len + req.num_output_tokens - computed
+            if threshold or n > budget:
+                n = self._cap(n, budget, alone)
             if n <= 0 or (in_flight and req.request_id in in_flight):
+                i += 1
+                continue
+            if computed + n <= req.kv_settled_tokens:  # held blocks take the tokens (allocate_slots' fast path)
+                schedule((req, n))
+                budget -= n
                 i += 1
                 continue
             blocked = False
@@ -199,7 +207,7 @@ class VllmEngine(PagedEngine):
                 if self.priority:
                     continue  # running shrank; the same index now holds the next request
                 break
-            out.scheduled.append((req, n))
+            schedule((req, n))
             budget -= n
             i += 1
         return budget

@@ -22,7 +22,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.ref_cnt: list[int] = [0] * num_blocks       # a list: Python-level indexing is ~5x a numpy array's
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -73,14 +73,16 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the LRU tail in reverse order."""
         free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
+        caching = self.enable_caching
         for b in reversed(blocks):
-            ref_cnt[b] -= 1
-            if ref_cnt[b] < 0:
-                raise RuntimeError(f"block {b} ref count went negative")
-            if ref_cnt[b] == 0:
-                if not self.enable_caching and block_hash[b] is not None:
+            c = ref_cnt[b] - 1
+            ref_cnt[b] = c
+            if c == 0:
+                if not caching and block_hash[b] is not None:
                     block_hash[b] = None
                 free_queue[b] = None
+            elif c < 0:
+                raise RuntimeError(f"block {b} ref count went negative")
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """Publish a full block's hash. An existing mapping for the hash is kept (no de-duplication)."""
@@ -95,9 +97,10 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests and fuzzing)."""
-        assert (self.ref_cnt >= 0).all(), "negative ref count"
+        ref_cnt = np.asarray(self.ref_cnt)
+        assert (ref_cnt >= 0).all(), "negative ref count"
         free = np.zeros(self.num_blocks, dtype=bool)
         free[list(self.free_queue)] = True
-        assert ((self.ref_cnt == 0) == free).all(), "free queue disagrees with ref counts"
+        assert ((ref_cnt == 0) == free).all(), "free queue disagrees with ref counts"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, "hash map points at a block with another hash"

@@ -11,8 +11,10 @@ def extend_block_hashes(req: Request, block_size: int, num_tokens: int) -> list[
     full = min(num_tokens, len(req.token_ids)) // block_size
     if len(hashes) < full:
         parent = hashes[-1] if hashes else block_size
-        ids = req.token_ids
-        for i in range(len(hashes), full):
-            parent = hash((parent, ids[i * block_size:(i + 1) * block_size].tobytes()))
+        start = len(hashes)
+        raw = req.token_ids[start * block_size:full * block_size].tobytes()  # one copy, sliced per block
+        step = len(raw) // (full - start)
+        for i in range(0, len(raw), step):
+            parent = hash((parent, raw[i:i + step]))
             hashes.append(parent)
     return hashes

@@ -78,43 +78,51 @@ class KVCacheManager:
         `reserve_tokens` asks for blocks covering at least that many tokens (vLLM's full-prompt admission,
         TGI/TRT-LLM worst-case reservation). Returns False and changes nothing when blocks are short.
         """
+        if req.num_computed_tokens + num_new_tokens <= req.kv_settled_tokens and reserve_tokens <= \
+                req.kv_settled_tokens and not hit.blocks:
+            return True  # fast path (most decode steps): held blocks cover the tokens and none fills up
         rid = req.request_id
-        bs = self.block_size
-        end = req.num_computed_tokens + num_new_tokens
         blocks = self.req_blocks.get(rid)
-        if blocks is not None and not hit.blocks and end <= len(blocks) * bs and reserve_tokens <= len(blocks) * bs:
-            # fast path (most decode steps): the request's blocks already hold the new tokens
-            if self.enable_prefix_caching and end // bs > self.req_hashed.get(rid, 0):
-                self._publish(req, end)
-            return True
-        needed = self._blocks_needed(req, num_new_tokens, hit, reserve_tokens)
-        free = self.pool.num_free_after_touch(hit.blocks) if hit.blocks else self.pool.num_free
-        if needed > free - watermark_blocks:
-            return False
-        blocks = self.req_blocks.setdefault(req.request_id, [])
+        end = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        bs = self.block_size
+        needed = max(0, -(-max(end, reserve_tokens) // bs) - len(hit.blocks) - (len(blocks) if blocks else 0))
+        if needed or watermark_blocks:
+            free = self.pool.num_free_after_touch(hit.blocks) if hit.blocks else len(self.pool.free_queue)
+            if needed > free - watermark_blocks:
+                return False
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
         if hit.blocks:
             self.pool.touch(hit.blocks)
             blocks.extend(hit.blocks)
-            self.req_hashed[req.request_id] = len(hit.blocks)
+            self.req_hashed[rid] = len(hit.blocks)
         if needed:
             blocks.extend(self.pool.allocate(needed))
+        settled = len(blocks) * bs
         if self.enable_prefix_caching:
-            self._publish(req, req.num_computed_tokens + hit.num_tokens + num_new_tokens)
+            hashed = self._publish(req, end)
+            next_full = (hashed + 1) * bs
+            if next_full <= len(req.token_ids):  # stop short of filling the next block, which gets published
+                settled = min(settled, next_full - 1)
+        req.kv_settled_tokens = settled
         return True
 
-    def _publish(self, req: Request, num_tokens: int) -> None:
-        """Hash and publish the request's blocks that `num_tokens` computed tokens fill completely."""
+    def _publish(self, req: Request, num_tokens: int) -> int:
+        """Hash and publish the request's blocks that `num_tokens` computed tokens fill completely; return how
+        many of its blocks are published."""
         rid = req.request_id
         done = self.req_hashed.get(rid, 0)
         full = min(num_tokens, len(req.token_ids)) // self.block_size
         if full <= done:
-            return
+            return done
         hashes = extend_block_hashes(req, self.block_size, full * self.block_size)
         blocks = self.req_blocks[rid]
         cache_block = self.pool.cache_block
-        for i in range(done, min(full, len(blocks))):
+        last = min(full, len(blocks))
+        for i in range(done, last):
             cache_block(blocks[i], hashes[i])
-        self.req_hashed[rid] = min(full, len(blocks))
+        self.req_hashed[rid] = last
+        return last
 
     def num_blocks_of(self, req: Request) -> int:
         return len(self.req_blocks.get(req.request_id, ()))
@@ -123,12 +131,14 @@ class KVCacheManager:
         """Release every block of the request (no-op if it holds none)."""
         blocks = self.req_blocks.pop(req.request_id, None)
         self.req_hashed.pop(req.request_id, None)
+        req.kv_settled_tokens = 0
         if blocks:
             self.pool.free(blocks)
 
     def free_tail(self, req: Request, keep_tokens: int) -> int:
         """Release the request's blocks beyond the first `keep_tokens` tokens; return blocks freed."""
         blocks = self.req_blocks.get(req.request_id)
+        req.kv_settled_tokens = 0
         if not blocks:
             return 0
         keep = self.blocks_for(keep_tokens)
@@ -137,6 +147,16 @@ class KVCacheManager:
         self.req_hashed[req.request_id] = min(self.req_hashed.get(req.request_id, 0), keep)
         self.pool.free(tail)
         return len(tail)
+
+    def transfer(self, src: Request, dst: Request) -> None:
+        """Hand `src`'s block table (and its published-block count) to `dst`, which holds none."""
+        blocks = self.req_blocks.pop(src.request_id, None)
+        if blocks:
+            self.req_blocks[dst.request_id] = blocks
+        hashed = self.req_hashed.pop(src.request_id, None)
+        if hashed is not None:
+            self.req_hashed[dst.request_id] = hashed
+        src.kv_settled_tokens = dst.kv_settled_tokens = 0
 
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

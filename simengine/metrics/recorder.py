@@ -52,9 +52,13 @@ class Recorder:
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
         for col, v in zip(self.step_cols, row):
             col.append(v)
-        for prev, count in itl_groups.items():
-            self.itl_values.append(now - prev)
-            self.itl_counts.append(count)
+        if len(itl_groups) == 1:  # the usual case: every decode's previous token came from the previous step
+            for prev, count in itl_groups.items():
+                self.itl_values.append(now - prev)
+                self.itl_counts.append(count)
+        elif itl_groups:
+            self.itl_values.extend([now - prev for prev in itl_groups])
+            self.itl_counts.extend(itl_groups.values())
 
     @property
     def num_steps(self) -> int:

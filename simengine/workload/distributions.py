@@ -51,10 +51,13 @@ class Dist:
             x = rng.normal(self.mean, self.sigma, size)
         else:
             x = rng.exponential(self.mean, size)
-        if self.min is not None or self.max is not None:
-            x = np.clip(x, self.min if self.min is not None else -np.inf,
-                        self.max if self.max is not None else np.inf)
-        return x
+        if self.min is None and self.max is None:
+            return x
+        lo = self.min if self.min is not None else -math.inf
+        hi = self.max if self.max is not None else math.inf
+        if n is None:  # a scalar: Python's min/max, ~20x cheaper than np.clip on one value
+            return min(max(float(x), lo), hi)
+        return np.clip(x, lo, hi)
 
     def sample_int(self, rng: np.random.Generator, n: int | None = None, *, at_least: int = 1):
         """Integer samples (uniform is inclusive of `high`), never below `at_least`."""
