@@ -36,7 +36,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)   # failed at admission this step
     shape: BatchShape = field(default_factory=BatchShape)
-    extra_steps: int = 0            # identical decode steps folded into this one (static/lockstep runs)
     idle_reason: str = ""           # why nothing was scheduled although work is waiting
 
     @property

@@ -1,9 +1,8 @@
-"""Calibrated per-engine overhead terms: the YAML they live in, and the step-cost terms they add to the roofline.
+"""Calibrated per-engine overhead terms: the YAML they live in, and how they enter an engine's EngineTiming.
 
-`simengine/engines/calibration.yaml` maps an engine's registry name to named overhead terms. A term whose name
-is an `EngineTiming` field (scheduler_cpu_s, output_cpu_s, kernel_launch_s, graph_replay_s) replaces that field;
-the others are the cost-model terms proposed in docs/validation.md ("Proposed cost-model terms") and priced by
-`ExtendedRoofline` until `cost/roofline.py` and `EngineTiming` carry them:
+`simengine/engines/calibration.yaml` maps an engine's registry name to named overhead terms, each an
+`EngineTiming` field that `RooflineCost.step` prices: the host terms (scheduler_cpu_s, output_cpu_s,
+kernel_launch_s, graph_replay_s) replace the engine module's estimates, and four more default to nothing:
 
 - `layer_latency_s`: fixed latency per transformer layer per step (inter-kernel bubbles and synchronisation of
   an unfused stack), added to the GPU time of every step;
@@ -21,13 +20,11 @@ import functools
 from pathlib import Path
 
 from simengine.config.loader import load_yaml
-from simengine.core.batch import BatchShape
-from simengine.cost.roofline import RooflineCost, StepCost
 from simengine.cost.timing import EngineTiming
 from simengine.errors import InputError
 
 ENGINE_TERMS_PATH = Path(__file__).resolve().parents[1] / "engines" / "calibration.yaml"
-# Proposed terms and the value that leaves today's roofline unchanged.
+# The terms calibration adds to the engine modules' own timing, and the value of each that adds nothing.
 PROPOSED_TERMS: dict[str, float] = {"layer_latency_s": 0.0, "allreduce_hop_latency_s": 0.0,
                                     "allreduce_bandwidth_fraction": 1.0, "seq_cpu_s": 0.0}
 TIMING_TERMS = ("scheduler_cpu_s", "output_cpu_s", "kernel_launch_s", "graph_replay_s")
@@ -64,44 +61,8 @@ def _read_cached(path: Path, mtime_ns: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def split_terms(timing: EngineTiming, terms: dict[str, float]) -> tuple[EngineTiming, dict[str, float]]:
-    """Apply terms that are EngineTiming fields; return the rest (the proposed ones the timing lacks)."""
-    fields = {f.name for f in dataclasses.fields(EngineTiming)}
-    own = {k: v for k, v in terms.items() if k in fields}
-    rest = {k: v for k, v in terms.items() if k not in fields}
-    return (dataclasses.replace(timing, **own) if own else timing), rest
+def apply_terms(timing: EngineTiming, terms: dict[str, float]) -> EngineTiming:
+    """The engine's timing with its calibrated terms (each an EngineTiming field) in place."""
+    return dataclasses.replace(timing, **terms) if terms else timing
 
 
-class ExtendedRoofline(RooflineCost):
-    """RooflineCost plus the proposed terms in `extras` (a no-op when `extras` is empty)."""
-
-    def __init__(self, *args, extras: dict[str, float] | None = None, **kw):
-        super().__init__(*args, **kw)
-        x = {**PROPOSED_TERMS, **(extras or {})}
-        self.layer_latency_s = x["layer_latency_s"]
-        self.hop_latency_s = x["allreduce_hop_latency_s"]
-        self.ar_bw_fraction = x["allreduce_bandwidth_fraction"]
-        self.seq_cpu_s = x["seq_cpu_s"]
-        self.active = bool(extras)
-        self.hops_per_call = 2 * (self.tp - 1)
-
-    def step(self, shape: BatchShape) -> StepCost:
-        c = super().step(shape)
-        if not self.active:
-            return c
-        t = self.timing
-        tokens = shape.num_prefill_tokens + max(shape.padded_decode, shape.num_decode)
-        extra_comm = 0.0
-        if self.num_allreduce:   # single-device parts have no link (bandwidth 0) and no all-reduce
-            ring_s = self.num_allreduce * self.ring_factor * tokens * self.allreduce_bytes_per_token / (
-                self.hw.link_bandwidth_bytes_s)
-            extra_comm = self.num_allreduce * self.hops_per_call * self.hop_latency_s + ring_s * (
-                1.0 / self.ar_bw_fraction - 1.0)
-        comm = c.comm_s + extra_comm
-        gpu = c.compute_s + c.memory_s + comm + self.model.num_layers * self.layer_latency_s
-        total = gpu + t.graph_replay_s if shape.cuda_graph else max(gpu, self.launch_s)
-        extra_host = (self.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
-                      + getattr(shape, "num_structured", 0) * self.grammar_mask_s)
-        exposed = t.exposed_host_s(total, extra_host)
-        seconds = total + exposed
-        return StepCost(seconds, c.compute_s, c.memory_s, comm, seconds - c.compute_s - c.memory_s - comm)

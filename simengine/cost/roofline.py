@@ -6,7 +6,7 @@ hardware YAML (`efficiency.gemm_fraction`, `efficiency.memory_bandwidth_fraction
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
 from simengine.config.hardware import Hardware
@@ -17,8 +17,7 @@ from simengine.cost.timing import EngineTiming
 ACT_BYTES = 2.0  # activations are 16-bit in every engine modelled
 
 
-@dataclass(frozen=True, slots=True)
-class StepCost:
+class StepCost(NamedTuple):
     """Seconds for one step and where they went (compute-bound, memory-bound, communication, overhead)."""
 
     seconds: float
@@ -67,6 +66,11 @@ class RooflineCost:
         self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
         self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
         self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * m.num_layers
+        # engine terms (cost/calibrated.py): software latency of one all-reduce's 2(tp-1) ring hops, achieved link
+        # bandwidth, and a fixed latency per layer per step
+        self.allreduce_call_s = hw.link_latency_s + 2 * (tp - 1) * timing.allreduce_hop_latency_s
+        self.allreduce_link_bytes_s = hw.link_bandwidth_bytes_s * timing.allreduce_bandwidth_fraction
+        self.layers_latency_s = m.num_layers * timing.layer_latency_s
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing)."""
@@ -110,23 +114,19 @@ class RooflineCost:
         memory_s = (lin_mem if lin_mem > lin_cmp else 0.0) + (att_mem if att_mem > att_cmp else 0.0)
         comm_s = 0.0
         if self.num_allreduce:
-            per_call = self.hw.link_latency_s + self.ring_factor * tokens * self.allreduce_bytes_per_token / (
-                self.hw.link_bandwidth_bytes_s)
-            comm_s = self.num_allreduce * per_call
+            comm_s = self.num_allreduce * (self.allreduce_call_s + self.ring_factor * tokens
+                                           * self.allreduce_bytes_per_token / self.allreduce_link_bytes_s)
         if self.num_all_to_all:
             comm_s += self.num_all_to_all * (self.hw.link_latency_s + tokens * self.a2a_bytes_per_token
                                              / self.hw.link_bandwidth_bytes_s)
         if self.pp > 1:
             comm_s += (self.pp - 1) * (self.hw.link_latency_s
                                        + tokens * self.allreduce_bytes_per_token / self.hw.link_bandwidth_bytes_s)
-        gpu_s = compute_s + memory_s + comm_s
         t = self.timing
-        if shape.cuda_graph:
-            launch = t.graph_replay_s
-            gpu_total = gpu_s + launch
-        else:
-            # eager: the host enqueues kernels ahead of the GPU; the step lasts the longer of the two
-            launch = self.launch_s
-            gpu_total = max(gpu_s, launch)
-        overhead_s = (gpu_total - gpu_s) + t.exposed_host_s(gpu_total, shape.num_structured * self.grammar_mask_s)
-        return StepCost(gpu_s + overhead_s, compute_s, memory_s, comm_s, overhead_s)
+        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
+        # CUDA graph: one replay launch; eager: the host enqueues kernels ahead of the GPU, the longer one wins
+        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else max(gpu_s, self.launch_s)
+        host_extra_s = (t.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
+                        + shape.num_structured * self.grammar_mask_s)
+        seconds = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
+        return StepCost(seconds, compute_s, memory_s, comm_s, seconds - compute_s - memory_s - comm_s)

@@ -20,6 +20,11 @@ class EngineTiming:
     cuda_graph_sizes: tuple[int, ...] = ()   # captured decode batch sizes (sorted); empty = eager always
     graph_padding: bool = True        # pad a decode batch up to the next captured size
     graph_mixed_steps: bool = False   # piecewise graphs also cover prefill/mixed steps
+    # Calibrated terms (simengine/engines/calibration.yaml, `simengine calibrate`); these defaults add nothing.
+    layer_latency_s: float = 0.0      # fixed latency per layer per step (inter-kernel gaps of an unfused stack)
+    allreduce_hop_latency_s: float = 0.0      # software latency per ring hop of one tensor-parallel all-reduce
+    allreduce_bandwidth_fraction: float = 1.0  # achieved / nominal link bandwidth of the engine's all-reduce
+    seq_cpu_s: float = 0.0            # host time per sequence in the step (sampling, stop checks, detokenising)
 
     def graph_for(self, num_decode: int, pure_decode: bool) -> tuple[bool, int]:
         """(uses a graph, padded decode batch) for a step with `num_decode` decodes."""

@@ -58,7 +58,7 @@ def refuse_gaudi(hw: Hardware, engine: str) -> None:
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two token arrays."""
     n = min(len(a), len(b))
-    if n == 0:
+    if n == 0 or a[0] != b[0]:  # most cached prompts differ at once: skip the array comparison
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n

@@ -66,6 +66,7 @@ class StaticEngine(EnginePolicy):
         self.pad_len = 0                        # prompts are left-padded to this length
         self.reserved_token_steps = 0           # sum over steps of reserved KV tokens
         self.used_token_steps = 0               # sum over steps of KV tokens actually written
+        self.batch_written = 0                  # KV tokens the current batch has written (rows never pass row_len)
 
     def make_timing(self) -> EngineTiming:
         return EngineTiming(
@@ -175,14 +176,15 @@ class StaticEngine(EnginePolicy):
         """Shared token progress; finished members are held until the whole batch is done, then all return."""
         res = super().update(out, now)
         self.reserved_token_steps += len(self.batch) * self.row_len
-        self.used_token_steps += sum(min(r.num_computed_tokens, self.row_len) for r in self.batch)
+        self.batch_written += sum(n for _, n in out.scheduled)
+        self.used_token_steps += self.batch_written
         if len(self.done_in_batch) < len(self.batch):
             res.finished = []
             return res
         for req in self.done_in_batch:
             req.finish_s = now  # generate() returns the batch together
         res.finished = self.done_in_batch
-        self.batch, self.done_in_batch, self.row_len, self.pad_len = [], [], 0, 0
+        self.batch, self.done_in_batch, self.row_len, self.pad_len, self.batch_written = [], [], 0, 0, 0
         return res
 
     def on_finished(self, finished: list[Request], now: float) -> None:

@@ -63,6 +63,9 @@ class KVCacheManager:
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
                      reserve_tokens: int = 0, watermark_blocks: int = 0) -> bool:
         """Whether allocate_slots would succeed (no state change)."""
+        if req.num_computed_tokens + num_new_tokens <= req.kv_settled_tokens and reserve_tokens <= \
+                req.kv_settled_tokens and not hit.blocks:
+            return len(self.pool.free_queue) >= watermark_blocks  # nothing to allocate
         return self._blocks_needed(req, num_new_tokens, hit, reserve_tokens) <= (
             self.pool.num_free_after_touch(hit.blocks) - watermark_blocks)
 

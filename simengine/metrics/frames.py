@@ -30,8 +30,9 @@ def requests_frame(rec: Recorder) -> pd.DataFrame:
 
 def steps_frame(rec: Recorder) -> pd.DataFrame:
     """One row per engine step."""
-    df = _frame(STEP_FIELDS, rec.step_cols)
-    df["cuda_graph"] = df["cuda_graph"].astype(bool)
+    rows = np.frombuffer(rec.step_rows, dtype=float).reshape(-1, len(STEP_FIELDS))
+    df = pd.DataFrame({name: rows[:, i].astype({"q": np.int64, "d": float, "b": bool}[code])
+                       for i, (name, code) in enumerate(STEP_FIELDS)})
     return df
 
 

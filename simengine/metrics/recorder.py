@@ -33,7 +33,7 @@ class Recorder:
 
     def __init__(self):
         self.request_cols = _columns(REQUEST_FIELDS)
-        self.step_cols = _columns(STEP_FIELDS)
+        self.step_rows = array("d")  # STEP_FIELDS flattened row after row (one C-level extend per step)
         self.itl_values = array("d")
         self.itl_counts = array("q")
         self.arrived = 0
@@ -50,8 +50,8 @@ class Recorder:
         self.request(req, replica, "completed" if req.status is Status.FINISHED else "failed")
 
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
-        for col, v in zip(self.step_cols, row):
-            col.append(v)
+        """`row` holds the STEP_FIELDS in order (integers and flags are exact in a double)."""
+        self.step_rows.extend(row)
         if len(itl_groups) == 1:  # the usual case: every decode's previous token came from the previous step
             for prev, count in itl_groups.items():
                 self.itl_values.append(now - prev)
@@ -62,7 +62,7 @@ class Recorder:
 
     @property
     def num_steps(self) -> int:
-        return len(self.step_cols[0])
+        return len(self.step_rows) // len(STEP_FIELDS)
 
     @property
     def num_requests(self) -> int:

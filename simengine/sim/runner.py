@@ -13,7 +13,7 @@ from simengine.config.loader import from_dict
 from simengine.config.model import load_model
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.request import Request, Status
-from simengine.cost.calibrated import ExtendedRoofline, read_engine_terms, split_terms
+from simengine.cost.calibrated import apply_terms, read_engine_terms
 from simengine.cost.roofline import RooflineCost
 from simengine.engines import ENGINES, EnginePolicy
 from simengine.engines.memory import Deployment
@@ -74,12 +74,11 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0) -> RooflineCos
     """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy),
     with the engine's calibrated overhead terms from simengine/engines/calibration.yaml applied
     (`simengine calibrate`, docs/validation.md); an engine without calibrated terms gets the plain roofline."""
-    timing, extras = split_terms(engine.timing, read_engine_terms().get(engine.name, {}))
-    engine.timing = timing
+    engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
     d = engine.dep
-    return ExtendedRoofline(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                            tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
-                            expert_parallel=d.expert_parallel, extras=extras)
+    return RooflineCost(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
+                        tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
+                        expert_parallel=d.expert_parallel)
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Steps as feature arrays, so calibration re-prices thousands of steps per trial of the named terms at once.
 
-`step_features(cost, shapes)` splits each step of `cost` (a RooflineCost / ExtendedRoofline) into the parts each
+`step_features(cost, shapes)` splits each step of `cost` (a RooflineCost) into the parts each
 named term scales: GEMM-bound and bandwidth-bound seconds at efficiency 1, ring all-reduce seconds at nominal
 link bandwidth, hop count, layers, sequences and host time. `price(features, terms)` puts them back together
-exactly as `ExtendedRoofline.step` does (tests/validate/test_features.py holds the two equal).
+exactly as `RooflineCost.step` does (tests/validate/test_features.py holds the two equal).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def step_features(cost: RooflineCost, shapes: list[BatchShape]) -> StepFeatures:
 
 def price(f: StepFeatures, gemm_fraction: float, memory_bandwidth_fraction: float,
           terms: dict[str, float] | None = None) -> np.ndarray:
-    """Seconds of every step for the given efficiency fractions and engine terms (ExtendedRoofline's sum)."""
+    """Seconds of every step for the given efficiency fractions and engine terms (RooflineCost.step's sum)."""
     x = {**PROPOSED_TERMS, "scheduler_cpu_s": f.scheduler_cpu_s, "output_cpu_s": f.output_cpu_s, **(terms or {})}
     g, mb = gemm_fraction, memory_bandwidth_fraction
     gpu = (np.maximum(f.lin_c / g, f.lin_m / mb) + np.maximum(f.att_c / g, f.att_m / mb) + f.comm_fixed

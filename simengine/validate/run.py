@@ -14,8 +14,7 @@ import numpy as np
 
 from simengine.core.batch import BatchShape
 from simengine.core.request import Request
-from simengine.cost.calibrated import ExtendedRoofline
-from simengine.cost.roofline import StepCost
+from simengine.cost.roofline import RooflineCost, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.errors import InputError
 from simengine.sim.runner import Runner, build_deployment, build_engine, cost_model
@@ -67,7 +66,7 @@ class Prediction:
 class RecordingCost:
     """Wraps a cost model for one replica and remembers every step's shape and seconds."""
 
-    def __init__(self, inner: ExtendedRoofline):
+    def __init__(self, inner: RooflineCost):
         self.inner = inner
         self.shapes: list[BatchShape] = []
         self.seconds: list[float] = []

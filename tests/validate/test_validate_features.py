@@ -1,10 +1,10 @@
-"""Calibration re-prices steps from feature arrays; that must equal ExtendedRoofline.step exactly."""
+"""Calibration re-prices steps from feature arrays; that must equal RooflineCost.step exactly."""
 
 import numpy as np
 import pytest
 
 from simengine.core.batch import BatchShape
-from simengine.cost.calibrated import ExtendedRoofline, split_terms
+from simengine.cost.calibrated import apply_terms
 from simengine.cost.roofline import RooflineCost
 from simengine.cost.timing import EngineTiming
 from simengine.validate.features import price, step_features
@@ -41,14 +41,14 @@ def shapes(timing: EngineTiming, rng: np.random.Generator, n: int = 40) -> list[
 @pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["base", "extras"])
 def test_price_equals_cost_model(timing, dep_kw, extras):
     dep = make_dep(**dep_kw)
-    cost = ExtendedRoofline(dep.model, dep.hardware, weight_format=dep.weight_format,
-                            kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp, timing=timing, extras=extras)
+    cost = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format,
+                        kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp, timing=apply_terms(timing, extras))
     batch = shapes(timing, np.random.default_rng(len(dep_kw) + len(extras)))
     direct = np.array([cost.step(s).seconds for s in batch])
     repriced = price(step_features(cost, batch), dep.hardware.gemm_fraction, dep.hardware.memory_bandwidth_fraction,
                      extras)
     np.testing.assert_allclose(repriced, direct, rtol=1e-9)
-    if not extras:   # without proposed terms the extension is the roofline itself
+    if not extras:   # the default terms add nothing
         plain = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format,
                              kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp, timing=timing)
         np.testing.assert_allclose(direct, [plain.step(s).seconds for s in batch], rtol=1e-12)
@@ -60,8 +60,8 @@ def test_each_proposed_term_slows_steps_the_way_it_is_named():
     decode = BatchShape(num_decode=4, decode_context_tokens=4 * 600, num_logits=4, padded_decode=4)
 
     def step(**x):
-        return ExtendedRoofline(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=8,
-                                timing=t, extras=x).step(decode).seconds
+        return RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=8,
+                            timing=apply_terms(t, x)).step(decode).seconds
 
     base = step()
     assert step(layer_latency_s=1e-4) == pytest.approx(base + 80 * 1e-4)
@@ -70,8 +70,8 @@ def test_each_proposed_term_slows_steps_the_way_it_is_named():
     assert step(allreduce_bandwidth_fraction=0.5) > base
 
 
-def test_split_terms_applies_timing_fields_and_returns_the_rest():
+def test_apply_terms_sets_timing_fields():
     t = TIMINGS["sync_eager"]
-    timing, rest = split_terms(t, {"scheduler_cpu_s": 0.02, "seq_cpu_s": 1e-4})
-    assert timing.scheduler_cpu_s == 0.02 and rest == {"seq_cpu_s": 1e-4}
-    assert split_terms(t, {})[0] is t
+    timing = apply_terms(t, {"scheduler_cpu_s": 0.02, "seq_cpu_s": 1e-4})
+    assert timing.scheduler_cpu_s == 0.02 and timing.seq_cpu_s == 1e-4 and timing.output_cpu_s == t.output_cpu_s
+    assert apply_terms(t, {}) is t
