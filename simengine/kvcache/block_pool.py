@@ -47,19 +47,17 @@ class BlockPool:
         """Pop n blocks from the LRU front (evicting their cached content). Caller checked num_free >= n."""
         if n > len(self.free_queue):
             raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
-        out = []
-        free_queue, block_hash, cached, ref_cnt = self.free_queue, self.block_hash, self.cached, self.ref_cnt
-        popitem = free_queue.popitem
-        for _ in range(n):
-            b = popitem(last=False)[0]
+        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
+        popitem = self.free_queue.popitem
+        out = [popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            ref_cnt[b] = 1
             h = block_hash[b]
             if h is not None:
                 if cached.get(h) == b:
                     del cached[h]
                 block_hash[b] = None
                 self.num_evictions += 1
-            ref_cnt[b] = 1
-            out.append(b)
         return out
 
     def touch(self, blocks: list[int]) -> None:
@@ -84,12 +82,15 @@ class BlockPool:
             elif c < 0:
                 raise RuntimeError(f"block {b} ref count went negative")
 
-    def cache_block(self, block: int, block_hash: int) -> None:
-        """Publish a full block's hash. An existing mapping for the hash is kept (no de-duplication)."""
-        if not self.enable_caching or self.block_hash[block] is not None:
+    def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
+        """Publish full blocks' hashes. An existing mapping for a hash is kept (no de-duplication)."""
+        if not self.enable_caching:
             return
-        self.block_hash[block] = block_hash
-        self.cached.setdefault(block_hash, block)
+        block_hash, add = self.block_hash, self.cached.setdefault
+        for b, h in zip(blocks, hashes):
+            if block_hash[b] is None:
+                block_hash[b] = h
+                add(h, b)
 
     def num_free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left if `blocks` (cache hits) were touched: hits idle in the free queue stop being free."""

@@ -120,10 +120,8 @@ class KVCacheManager:
             return done
         hashes = extend_block_hashes(req, self.block_size, full * self.block_size)
         blocks = self.req_blocks[rid]
-        cache_block = self.pool.cache_block
         last = min(full, len(blocks))
-        for i in range(done, last):
-            cache_block(blocks[i], hashes[i])
+        self.pool.cache_blocks(blocks[done:last], hashes[done:last])
         self.req_hashed[rid] = last
         return last
 
