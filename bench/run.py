@@ -4,13 +4,17 @@ Workload: ShareGPT-like (lognormal prompt and output lengths, means ~1000 and ~2
 H100 with the vLLM policy at a rate that keeps the replica busy (90% of its measured offline throughput), at
 10k, 100k and 1M requests; every engine at 10k; a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own. Compare machines by the ratios.
+`--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
+import pstats
 import resource
 import subprocess
 import sys
@@ -48,17 +52,34 @@ def child(args) -> None:
         from simengine.config.loader import from_dict
         from simengine.config.scenario import Scenario
         sc = from_dict(Scenario, scenario_dict(args.n, args.rate, args.child), source="bench")
+        prof = cProfile.Profile() if args.profile_out else None
         t0 = time.perf_counter()
+        if prof:
+            prof.enable()
         r = run_engine(sc, sc.engines[0])
+        if prof:
+            prof.disable()
         secs = time.perf_counter() - t0
+        if prof:
+            write_profile(prof, args.profile_out, f"{args.child}, {args.n} requests at {args.rate} req/s")
         out = {"seconds": secs, "completed": r.summary["completed"], "steps": r.summary["num_steps"],
                "request_throughput": r.summary["request_throughput"]}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(out))
 
 
-def measure(kind: str, n: int = 0, rate: float | None = None) -> dict:
+def write_profile(prof: cProfile.Profile, path: str, what: str, top: int = 25) -> None:
+    """The top entries by own time, paths shortened to the repository."""
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    text = buf.getvalue().replace(str(ROOT) + "/", "").replace(sys.prefix + "/", "")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(f"# cProfile of the simulation ({what}); times are inflated by the profiler\n{text}")
+
+
+def measure(kind: str, n: int = 0, rate: float | None = None, profile_out: str = "") -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--n", str(n)] + (["--rate", str(rate)] if rate else [])
+    cmd += ["--profile-out", profile_out] if profile_out else []
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"bench child {kind} n={n} failed:\n{proc.stderr[-2000:]}")
@@ -72,15 +93,22 @@ def main() -> None:
     p.add_argument("--rate", type=float)
     p.add_argument("--sizes", default="10000,100000,1000000")
     p.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
+    p.add_argument("--profile", type=int, metavar="N", help="profile the vLLM run at N requests and stop")
+    p.add_argument("--profile-out", default="")
     args = p.parse_args()
     if args.child:
         return child(args)
     from simengine.engines import ENGINES
 
     sizes = [int(x) for x in args.sizes.split(",")]
-    simpy_1m = measure("simpy")["seconds"]
     capacity = measure("vllm", 2000)["request_throughput"]  # offline: the replica's saturated throughput
     rate = round(0.9 * capacity, 3)
+    if args.profile:
+        out = str(Path(args.out).with_name(f"profile_vllm_{args.profile}.txt"))
+        r = measure("vllm", args.profile, rate, profile_out=out)
+        print(f"{args.profile} requests: {r['seconds']:.2f} s under cProfile; top entries in {out}")
+        return
+    simpy_1m = measure("simpy")["seconds"]
     runs = {n: measure("vllm", n, rate) for n in sizes}
     per_engine = {e: measure(e, sizes[0], rate) for e in ENGINES.names() if e != "generic"}
     xs = [math.log(n) for n in sizes]
