@@ -217,6 +217,8 @@ class PagedEngine(EnginePolicy):
         self.kv.pool.check_invariants()
         held = {b for r in self.running for b in self.kv.req_blocks.get(r.request_id, ())}
         assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once
+        for r in self.running:  # the manager's fast path never lets tokens past the blocks a request holds
+            assert r.kv_settled_tokens <= self.kv.num_blocks_of(r) * self.kv.block_size, "settled past blocks"
         if self.batch_size_limit is not None:
             assert len(self.running) <= self.batch_size_limit
 
