@@ -31,9 +31,9 @@ def requests_frame(rec: Recorder) -> pd.DataFrame:
 def steps_frame(rec: Recorder) -> pd.DataFrame:
     """One row per engine step."""
     rows = np.frombuffer(rec.step_rows, dtype=float).reshape(-1, len(STEP_FIELDS))
-    df = pd.DataFrame({name: rows[:, i].astype({"q": np.int64, "d": float, "b": bool}[code])
-                       for i, (name, code) in enumerate(STEP_FIELDS)})
-    return df
+    # float columns stay views of the recorder's buffer; only the integer and flag columns are converted
+    return pd.DataFrame({name: rows[:, i].astype({"q": np.int64, "d": float, "b": bool}[code], copy=False)
+                         for i, (name, code) in enumerate(STEP_FIELDS)}, copy=False)
 
 
 def itl_arrays(rec: Recorder) -> tuple[np.ndarray, np.ndarray]:
