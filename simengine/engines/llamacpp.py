@@ -18,41 +18,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simengine.config.hardware import Hardware
 from simengine.config.loader import check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
 from simengine.errors import InputError
 
 MIB = 2**20
 EMPTY = np.zeros(0, dtype=np.int32)
-ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
-# ESTIMATE: Metal lets the GPU wire only recommendedMaxWorkingSetSize, ~75% of unified memory on Macs above 36 GB
-# (printed by llama.cpp's ggml_metal_init and by MLC); the hardware YAML gives the whole unified memory.
-APPLE_GPU_WORKING_SET = 0.75
 # ESTIMATE: driver context outside ggml's buffers (CUDA context 0.3-0.5 GiB; Metal/Vulkan/OpenCL similar).
 DRIVER_CONTEXT_BYTES = 0.4 * GIB
 GGUF_WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "mxfp4")  # ggml tensor types llama.cpp runs
-
-
-def gpu_visible_bytes(hw: Hardware) -> float:
-    """Memory the GPU runtime reports as usable (Apple: the Metal working set)."""
-    return hw.memory_bytes * (APPLE_GPU_WORKING_SET if hw.vendor == "apple" else 1.0)
-
-
-def launch_cost_s(hw: Hardware) -> float:
-    """Per-kernel dispatch cost by runtime. ESTIMATE: CUDA/HIP ~4 us (NVIDIA Best Practices), Metal encode ~5 us,
-    OpenCL on Adreno ~10 us (enqueue through the Android driver)."""
-    return {"apple": 5e-6, "qualcomm": 10e-6}.get(hw.vendor, 4e-6)
-
-
-def refuse_gaudi(hw: Hardware, engine: str) -> None:
-    if hw.name.startswith("gaudi"):
-        raise InputError(f"{engine} has no Intel Gaudi (HPU) backend; choose a GPU (Intel Arc via SYCL/Vulkan) "
-                         f"or another engine", field="deployment.hardware")
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

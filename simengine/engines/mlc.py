@@ -22,7 +22,7 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
-from simengine.engines.llamacpp import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
+from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 from simengine.kvcache.hashing import extend_block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit

@@ -19,11 +19,9 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 from simengine.kvcache.manager import KVCacheManager
-
-ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
-ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
 
 
 @dataclass(frozen=True, kw_only=True)

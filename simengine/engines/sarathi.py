@@ -17,12 +17,10 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.manager import KVCacheManager
-
-ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
-ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,10 +21,8 @@ from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
-
-ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
-ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
 
 
 @dataclass(frozen=True, kw_only=True)
