@@ -5,6 +5,19 @@ from __future__ import annotations
 from simengine.core.request import Request, Status
 
 
+def run_step(eng, now: float = 0.0, dt: float = 0.01):
+    """One step by hand: schedule at `now`, finish it `dt` later, check the engine's bookkeeping."""
+    out = eng.schedule(now)
+    res = eng.update(out, now + dt)
+    eng.check_invariants()
+    return out, res
+
+
+def run_steps(eng, steps: int, now: float = 0.0) -> list:
+    """`steps` back-to-back steps 10 ms apart; their scheduler outputs."""
+    return [run_step(eng, now + i * 0.01)[0] for i in range(steps)]
+
+
 def drive(eng, reqs: list[Request], dt: float = 0.02, on_step=None,
           expect_empty_kv: bool = True) -> tuple[list[Request], list[Request]]:
     """Shared invariants: caps per step, no empty step while running, invariants after each update, conservation."""

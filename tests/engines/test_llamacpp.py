@@ -11,15 +11,11 @@ from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
 from simengine.errors import InputError
 from simengine.sim.runner import build_engine
 from tests.conftest import make_dep, make_request
+from tests.engines.harness import run_step
 
 
 def engine(dep=None, **params) -> LlamaCppEngine:
     return LlamaCppEngine(LlamaCppParams(**params), dep or make_dep())
-
-
-def run_step(eng, now=0.0, dt=0.01):
-    out = eng.schedule(now)
-    return out, eng.update(out, now + dt)
 
 
 def run_until_done(eng, reqs, now=0.0):

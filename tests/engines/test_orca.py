@@ -12,6 +12,7 @@ from simengine.engines.orca import OrcaEngine, OrcaParams
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
 from tests.engines.harness import drive
+from tests.engines.harness import run_step as step
 
 
 def req(rid: int, prompt: int, out: int, *, arrival: float = 0.0, max_tokens: int | None = None) -> Request:
@@ -20,13 +21,6 @@ def req(rid: int, prompt: int, out: int, *, arrival: float = 0.0, max_tokens: in
 
 def engine(**params) -> OrcaEngine:
     return OrcaEngine(OrcaParams(**params), make_dep())
-
-
-def step(eng, now: float = 0.0, dt: float = 0.01):
-    out = eng.schedule(now)
-    res = eng.update(out, now + dt)
-    eng.check_invariants()
-    return out, res
 
 
 def mixed_requests(n: int, seed: int = 0) -> list[Request]:

@@ -13,6 +13,7 @@ from simengine.engines.sarathi import SarathiEngine, SarathiParams
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
 from tests.engines.harness import drive
+from tests.engines.harness import run_step as step
 
 
 def req(rid: int, prompt: int, out: int, *, arrival: float = 0.0) -> Request:
@@ -21,13 +22,6 @@ def req(rid: int, prompt: int, out: int, *, arrival: float = 0.0) -> Request:
 
 def engine(**params) -> SarathiEngine:
     return SarathiEngine(SarathiParams(**params), make_dep())
-
-
-def step(eng, now: float = 0.0, dt: float = 0.01):
-    out = eng.schedule(now)
-    res = eng.update(out, now + dt)
-    eng.check_invariants()
-    return out, res
 
 
 def mixed_requests(n: int, seed: int = 0) -> list[Request]:

@@ -9,21 +9,12 @@ from simengine.core.request import Status
 from simengine.engines.tgi import TgiEngine, TgiParams, tgi_compute_optimal_prefill
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
+from tests.engines.harness import run_step
+from tests.engines.harness import run_steps as drive
 
 
 def engine(**params) -> TgiEngine:
     return TgiEngine(TgiParams(**params), make_dep())
-
-
-def run_step(eng, now=0.0, dt=0.01):
-    out = eng.schedule(now)
-    res = eng.update(out, now + dt)
-    eng.check_invariants()
-    return out, res
-
-
-def drive(eng, steps, now=0.0):
-    return [run_step(eng, now + i * 0.01)[0] for i in range(steps)]
 
 
 def test_defaults_follow_the_launcher():

@@ -10,16 +10,11 @@ from simengine.engines.memory import NON_TORCH_BYTES, activation_reserve_bytes
 from simengine.engines.trtllm import TrtllmEngine, TrtllmParams, trtllm_capture_sizes
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
+from tests.engines.harness import run_step
 
 
 def engine(**params) -> TrtllmEngine:
     return TrtllmEngine(TrtllmParams(**params), make_dep())
-
-
-def run_step(eng, now=0.0, dt=0.01):
-    out = eng.schedule(now)
-    res = eng.update(out, now + dt)
-    return out, res
 
 
 def drain(eng, now=0.0, steps=400):

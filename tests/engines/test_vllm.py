@@ -7,16 +7,11 @@ from simengine.core.request import Status
 from simengine.engines.vllm import VllmEngine, VllmParams, vllm_batch_defaults, vllm_capture_sizes
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request
+from tests.engines.harness import run_step
 
 
 def engine(**params) -> VllmEngine:
     return VllmEngine(VllmParams(**params), make_dep())
-
-
-def run_step(eng, now=0.0, dt=0.01):
-    out = eng.schedule(now)
-    res = eng.update(out, now + dt)
-    return out, res
 
 
 def test_defaults_follow_device():

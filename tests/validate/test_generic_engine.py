@@ -5,15 +5,11 @@ from simengine.config.scenario import EngineEntry
 from simengine.core.request import Status
 from simengine.engines.generic import GenericEngine, GenericParams
 from tests.conftest import make_dep, make_request, make_scenario
+from tests.engines.harness import run_step as step
 
 
 def engine(**params) -> GenericEngine:
     return GenericEngine(GenericParams(**params), make_dep())
-
-
-def step(eng, now=0.0, dt=0.01):
-    out = eng.schedule(now)
-    return out, eng.update(out, now + dt)
 
 
 def test_prefill_steps_hold_whole_prompts_and_pause_decodes():
