@@ -136,6 +136,19 @@ class EnginePolicy(ABC):
             self.on_finished(res.finished, now)
         return res
 
+    def stop_at_length(self, out: SchedulerOutput, res: StepResult, now: float, limit: int, reason: str) -> int:
+        """Finish the step's requests whose sequence reached `limit` tokens before their own end (an engine's length
+        stop); `reason` goes into fail_reason. Returns how many stopped."""
+        stopped = 0
+        for req, _ in out.scheduled:
+            if req.status is Status.RUNNING and req.num_output_tokens and req.num_tokens >= limit:
+                req.status, req.finish_s = Status.FINISHED, now
+                req.fail_reason = f"{reason} after {req.num_output_tokens} of {req.output_len} tokens"
+                res.finished.append(req)
+                self.on_finished([req], now)
+                stopped += 1
+        return stopped
+
     def on_finished(self, finished: list[Request], now: float) -> None:
         """Remove finished requests from the running set and free their KV."""
         for req in finished:

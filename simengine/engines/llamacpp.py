@@ -20,7 +20,7 @@ import numpy as np
 
 from simengine.config.loader import check_positive
 from simengine.core.batch import SchedulerOutput
-from simengine.core.request import Request, Status
+from simengine.core.request import Request
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
@@ -209,14 +209,8 @@ class LlamaCppEngine(EnginePolicy):
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared update, then the context limit: with context shift off a slot stops at n_ctx (STOP_TYPE_LIMIT)."""
         res = super().update(out, now)
-        for req, _ in out.scheduled:
-            if req.status is Status.RUNNING and req.num_output_tokens and req.num_tokens >= self.n_ctx_slot:
-                req.status, req.finish_s = Status.FINISHED, now
-                req.fail_reason = (f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off after "
-                                   f"{req.num_output_tokens} of {req.output_len} tokens")
-                self.num_truncated += 1
-                res.finished.append(req)
-                self.on_finished([req], now)
+        self.num_truncated += self.stop_at_length(
+            out, res, now, self.n_ctx_slot, f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off")
         return res
 
     # ---- schedule -----------------------------------------------------------------------------------

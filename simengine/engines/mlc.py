@@ -189,13 +189,8 @@ class MlcEngine(EnginePolicy):
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared update, then MLC's "length" finish at max_single_sequence_length."""
         res = super().update(out, now)
-        for req, _ in out.scheduled:
-            if req.status is Status.RUNNING and req.num_output_tokens and req.num_tokens >= self.max_model_len:
-                req.status, req.finish_s = Status.FINISHED, now
-                req.fail_reason = (f"finish_reason=length at max_single_sequence_length {self.max_model_len} after "
-                                   f"{req.num_output_tokens} of {req.output_len} tokens")
-                res.finished.append(req)
-                self.on_finished([req], now)
+        self.stop_at_length(out, res, now, self.max_model_len,
+                            f"finish_reason=length at max_single_sequence_length {self.max_model_len}")
         return res
 
     # ---- schedule -----------------------------------------------------------------------------------
