@@ -216,6 +216,17 @@ class PagedEngine(EnginePolicy):
         for req in finished:
             self.kv.free(req)
 
+    def admit_head(self, n: int, now: float, out: SchedulerOutput) -> Request:
+        """Move the head of a deque `waiting` (blocks already allocated, no prefix hit) to running with `n` tokens
+        this step (Orca, Sarathi, generic)."""
+        req = self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = 0
+        self.mark_scheduled(req, now)
+        self.running.append(req)
+        out.scheduled.append((req, n))
+        return req
+
     def drop_for_recompute(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free the request's KV and progress (its full blocks may stay in the prefix
         cache); the caller requeues it where its engine does."""

@@ -101,12 +101,7 @@ class GenericEngine(PagedEngine):
                 break
             if not self.kv.allocate_slots(req, n):
                 break  # FCFS: the head waits for blocks; decodes free them as requests finish
-            self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
-            self.mark_scheduled(req, now)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.admit_head(n, now, out)
             budget -= n
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:

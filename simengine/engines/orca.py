@@ -107,11 +107,7 @@ class OrcaEngine(PagedEngine):
             req = self.waiting[0]
             if not self.kv.allocate_slots(req, req.prompt_len, reserve_tokens=self.reservation(req)):
                 break
-            self.waiting.popleft()
-            req.num_cached_tokens = 0
-            self.mark_scheduled(req, now)
-            self.running.append(req)
-            out.scheduled.append((req, req.prompt_len))
+            self.admit_head(req.prompt_len, now, out)
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()

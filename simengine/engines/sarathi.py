@@ -149,12 +149,7 @@ class SarathiEngine(PagedEngine):
                     out.rejected.append(req)
                     continue
                 break
-            self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
-            self.mark_scheduled(req, now)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.admit_head(n, now, out)
             used += n
 
     def check_invariants(self) -> None:
