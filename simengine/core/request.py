@@ -57,7 +57,7 @@ class Request:
         self.finish_s = -1.0
         self.num_preemptions = 0
         self.num_cached_tokens = -1   # prefix-cache hit at first admission (-1 = not admitted yet)
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[int] | None = None  # kvcache.hashing.block_hashes, on first need
         self.fail_reason = ""
         self.engine_state = None      # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or

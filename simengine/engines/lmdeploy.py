@@ -29,7 +29,7 @@ from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
-from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 # utils.py get_max_batch_size: substring of the CUDA device name -> default max_batch_size (others 128)
@@ -240,7 +240,7 @@ class LmdeployEngine(EnginePolicy):
         if req.num_computed_tokens or self.kv.num_blocks_of(req):
             return NO_HIT
         hit = self.kv.get_computed_blocks(req)
-        for i, key in enumerate(req.block_hashes[:len(hit.blocks)]):
+        for i, key in enumerate(block_hashes(req, self.kv.block_size)[:len(hit.blocks)]):
             if key in self._produced:
                 return PrefixHit(hit.blocks[:i], i * self.kv.block_size)
         return hit
@@ -250,8 +250,8 @@ class LmdeployEngine(EnginePolicy):
         if not self._produced:
             return False
         bs = self.kv.block_size
-        hashes = extend_block_hashes(req, bs, req.prompt_len)
-        return begin // bs < len(hashes) and hashes[begin // bs] in self._produced
+        idx = begin // bs
+        return idx < req.prompt_len // bs and block_hashes(req, bs)[idx] in self._produced
 
     def _run(self, req: Request, n: int, hit: PrefixHit, now: float, out: SchedulerOutput) -> None:
         if not self.kv.allocate_slots(req, n, hit):
@@ -259,7 +259,7 @@ class LmdeployEngine(EnginePolicy):
         req.num_computed_tokens += hit.num_tokens
         if self.kv.enable_prefix_caching:
             bs, start, end = self.kv.block_size, req.num_computed_tokens, req.num_computed_tokens + n
-            self._produced.update(extend_block_hashes(req, bs, end)[start // bs:end // bs])
+            self._produced.update(block_hashes(req, bs)[start // bs:end // bs])
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
             self._query_tokens += req.prompt_len

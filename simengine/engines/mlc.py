@@ -24,7 +24,7 @@ from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
-from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 MIB = 2**20
@@ -290,7 +290,7 @@ class MlcEngine(EnginePolicy):
         bs, pool = self.kv.block_size, self.kv.pool
         max_blocks = (req.num_tokens - 1) // bs
         blocks = []
-        for h in extend_block_hashes(req, bs, max_blocks * bs)[:max_blocks]:
+        for h in block_hashes(req, bs)[:max_blocks]:
             b = pool.lookup(h)
             if b is None or not pool.ref_cnt[b]:   # a page no sequence holds left the radix tree
                 break

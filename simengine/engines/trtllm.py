@@ -26,7 +26,7 @@ from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
-from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 CapacityPolicy = Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
@@ -347,7 +347,7 @@ class TrtllmEngine(PagedEngine):
         if req.num_computed_tokens:
             return NO_HIT
         hit = self.kv.get_computed_blocks(req)
-        for i, key in enumerate(req.block_hashes[:len(hit.blocks)]):
+        for i, key in enumerate(block_hashes(req, self.kv.block_size)[:len(hit.blocks)]):
             if key in self._produced:
                 self.kv.hit_tokens -= hit.num_tokens - i * self.kv.block_size
                 return PrefixHit(hit.blocks[:i], i * self.kv.block_size)
@@ -356,7 +356,7 @@ class TrtllmEngine(PagedEngine):
     def _note_produced(self, req: Request, n: int) -> None:
         if self.kv.enable_prefix_caching:
             bs, start, end = self.kv.block_size, req.num_computed_tokens, req.num_computed_tokens + n
-            self._produced.update(extend_block_hashes(req, bs, end)[start // bs:end // bs])
+            self._produced.update(block_hashes(req, bs)[start // bs:end // bs])
 
     def _unlookup(self, req: Request, hit: PrefixHit) -> None:
         """Un-count a lookup that did not lead to admission (the hit rate counts admissions only)."""
@@ -370,7 +370,7 @@ class TrtllmEngine(PagedEngine):
         idx, full = len(hit.blocks) + req.num_computed_tokens // bs, req.prompt_len // bs
         if not self.kv.enable_prefix_caching or idx >= full:
             return None
-        return extend_block_hashes(req, bs, full * bs)[idx]
+        return block_hashes(req, bs)[idx]
 
     def _contributed_keys(self) -> set[int]:
         """Blocks that contexts already chunking will produce (prefillWithChunkedContextsAlreadyExecuting)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from simengine.core.request import Request
 from simengine.kvcache.block_pool import BlockPool
-from simengine.kvcache.hashing import extend_block_hashes
+from simengine.kvcache.hashing import block_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return NO_HIT
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(req, self.block_size, max_blocks * self.block_size)
+        hashes = block_hashes(req, self.block_size)
         blocks = []
         lookup = self.pool.lookup
         for h in hashes[:max_blocks]:
@@ -118,7 +118,7 @@ class KVCacheManager:
         full = min(num_tokens, len(req.token_ids)) // self.block_size
         if full <= done:
             return done
-        hashes = extend_block_hashes(req, self.block_size, full * self.block_size)
+        hashes = block_hashes(req, self.block_size)
         blocks = self.req_blocks[rid]
         last = min(full, len(blocks))
         self.pool.cache_blocks(blocks[done:last], hashes[done:last])
