@@ -60,6 +60,20 @@ class BlockPool:
                 self.num_evictions += 1
         return out
 
+    def allocate_one(self) -> int:
+        """allocate(1) without the list."""
+        if not self.free_queue:
+            raise RuntimeError("allocate(1) with no free block")
+        b = self.free_queue.popitem(last=False)[0]
+        self.ref_cnt[b] = 1
+        h = self.block_hash[b]
+        if h is not None:
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+            self.num_evictions += 1
+        return b
+
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cached blocks hit by a prefix lookup."""
         free_queue, ref_cnt = self.free_queue, self.ref_cnt
@@ -91,6 +105,12 @@ class BlockPool:
             if block_hash[b] is None:
                 block_hash[b] = h
                 add(h, b)
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """cache_blocks for one block."""
+        if self.enable_caching and self.block_hash[block] is None:
+            self.block_hash[block] = block_hash
+            self.cached.setdefault(block_hash, block)
 
     def num_free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left if `blocks` (cache hits) were touched: hits idle in the free queue stop being free."""

@@ -86,42 +86,51 @@ class KVCacheManager:
             return True  # fast path (most decode steps): held blocks cover the tokens and none fills up
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
+        hit_blocks = hit.blocks
         end = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         bs = self.block_size
-        needed = max(0, -(-max(end, reserve_tokens) // bs) - len(hit.blocks) - (len(blocks) if blocks else 0))
+        pool = self.pool
+        needed = -(-(end if end > reserve_tokens else reserve_tokens) // bs) - len(hit_blocks) - (
+            len(blocks) if blocks else 0)
+        if needed < 0:
+            needed = 0
         if needed or watermark_blocks:
-            free = self.pool.num_free_after_touch(hit.blocks) if hit.blocks else len(self.pool.free_queue)
+            free = pool.num_free_after_touch(hit_blocks) if hit_blocks else len(pool.free_queue)
             if needed > free - watermark_blocks:
                 return False
         if blocks is None:
             blocks = self.req_blocks[rid] = []
-        if hit.blocks:
-            self.pool.touch(hit.blocks)
-            blocks.extend(hit.blocks)
-            self.req_hashed[rid] = len(hit.blocks)
-        if needed:
-            blocks.extend(self.pool.allocate(needed))
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            blocks.extend(hit_blocks)
+            self.req_hashed[rid] = len(hit_blocks)
+        if needed == 1:
+            blocks.append(pool.allocate_one())
+        elif needed:
+            blocks.extend(pool.allocate(needed))
         settled = len(blocks) * bs
         if self.enable_prefix_caching:
-            hashed = self._publish(req, end)
+            hashed = self._publish(req, blocks, end)
             next_full = (hashed + 1) * bs
-            if next_full <= len(req.token_ids):  # stop short of filling the next block, which gets published
-                settled = min(settled, next_full - 1)
+            if next_full <= len(req.token_ids) and next_full <= settled:
+                settled = next_full - 1  # stop short of filling the next block, which gets published
         req.kv_settled_tokens = settled
         return True
 
-    def _publish(self, req: Request, num_tokens: int) -> int:
-        """Hash and publish the request's blocks that `num_tokens` computed tokens fill completely; return how
+    def _publish(self, req: Request, blocks: list[int], num_tokens: int) -> int:
+        """Hash and publish the request's `blocks` that `num_tokens` computed tokens fill completely; return how
         many of its blocks are published."""
         rid = req.request_id
         done = self.req_hashed.get(rid, 0)
         full = min(num_tokens, len(req.token_ids)) // self.block_size
         if full <= done:
             return done
-        hashes = block_hashes(req, self.block_size)
-        blocks = self.req_blocks[rid]
         last = min(full, len(blocks))
-        self.pool.cache_blocks(blocks[done:last], hashes[done:last])
+        hashes = block_hashes(req, self.block_size)
+        if last == done + 1:
+            self.pool.cache_block(blocks[done], hashes[done])
+        else:
+            self.pool.cache_blocks(blocks[done:last], hashes[done:last])
         self.req_hashed[rid] = last
         return last
 
