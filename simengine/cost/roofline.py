@@ -82,7 +82,15 @@ class RooflineCost:
     def step(self, shape: BatchShape) -> StepCost:
         """Price one forward pass."""
         m = self.model
-        tokens = shape.num_prefill_tokens + max(shape.padded_decode, shape.num_decode)
+        # attention: prefill chunks are compute-heavy, decodes read every cached token's KV
+        prefill = 0
+        pairs = kv_tokens_read = float(shape.decode_context_tokens)
+        for c, k in shape.prefill_chunks:
+            prefill += c
+            pairs += c * (k + c / 2.0)
+            kv_tokens_read += k + c
+        num_decode = shape.num_decode
+        tokens = prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode)
         # linear layers + LM head: weights read once per step; FLOPs per token
         weight_bytes = self.dense_weight_bytes + self.lm_head_bytes
         if m.num_experts:
@@ -90,14 +98,6 @@ class RooflineCost:
         lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / self.bytes_s
         lin_cmp = (tokens * self.active_linear_flops_per_token
                    + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
-        # attention: prefill chunks are compute-heavy, decodes read every cached token's KV
-        pairs = 0.0
-        kv_tokens_read = 0.0
-        for c, k in shape.prefill_chunks:
-            pairs += c * (k + c / 2.0)
-            kv_tokens_read += k + c
-        pairs += shape.decode_context_tokens
-        kv_tokens_read += shape.decode_context_tokens
         attn_bytes = kv_tokens_read * self.kv_bytes_layer * self.full_layers
         attn_flops = pairs * self.attn_flops_per_pair * self.full_layers
         if self.sliding_layers:

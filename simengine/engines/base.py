@@ -111,8 +111,8 @@ class EnginePolicy(ABC):
         """Advance computed tokens; a request that caught up samples one token; finished ones are released."""
         res = StepResult()
         itl = res.itl_groups
-        itl_get = itl.get
         finished = res.finished
+        run_prev, run_count = -1.0, 0  # decodes whose previous token came at run_prev (mostly all of them)
         for req, n in out.scheduled:
             computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
@@ -124,15 +124,20 @@ class EnginePolicy(ABC):
             if produced == 1:
                 req.first_token_s = now
                 res.num_first_tokens += 1
+            elif req.last_token_s == run_prev:
+                run_count += 1
             else:
-                last = req.last_token_s
-                itl[last] = itl_get(last, 0) + 1
+                if run_count:
+                    itl[run_prev] = itl.get(run_prev, 0) + run_count
+                run_prev, run_count = req.last_token_s, 1
             req.last_token_s = now
             if produced >= req.output_len:
                 req.status = Status.FINISHED
                 req.finish_s = now
                 finished.append(req)
-        if res.finished:
+        if run_count:
+            itl[run_prev] = itl.get(run_prev, 0) + run_count
+        if finished:
             self.on_finished(res.finished, now)
         return res
 
