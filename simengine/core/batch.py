@@ -21,7 +21,8 @@ class BatchShape:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c for c, _ in self.prefill_chunks)
+        chunks = self.prefill_chunks
+        return sum([c for c, _ in chunks]) if chunks else 0
 
     @property
     def num_tokens(self) -> int:

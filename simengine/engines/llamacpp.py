@@ -129,6 +129,7 @@ class LlamaCppEngine(EnginePolicy):
         super().__init__(params, dep)
         self.max_model_len = self.n_ctx_slot
         self.slots = [_Slot(i) for i in range(self.n_parallel)]
+        self.num_busy = 0                                        # slots processing a task
         self.queue: deque[Request] = deque()
         self.plan: deque[list[tuple[Request, int]]] = deque()   # the current iteration's remaining forwards
         self.ram: list[np.ndarray] = []                          # host prompt cache, oldest first
@@ -176,7 +177,7 @@ class LlamaCppEngine(EnginePolicy):
 
     # ---- queues -------------------------------------------------------------------------------------
     def num_running(self) -> int:
-        return sum(1 for s in self.slots if s.req is not None)
+        return self.num_busy
 
     def num_waiting(self) -> int:
         return len(self.queue)
@@ -205,6 +206,7 @@ class LlamaCppEngine(EnginePolicy):
         for s in self.slots:
             if s.req is req:
                 s.req, s.cache, s.last_used = None, req.token_ids[:req.num_computed_tokens], self._tick()
+                self.num_busy -= 1
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared update, then the context limit: with context shift off a slot stops at n_ctx (STOP_TYPE_LIMIT)."""
@@ -232,7 +234,7 @@ class LlamaCppEngine(EnginePolicy):
         return out
 
     def _assign_tasks(self, now: float) -> None:
-        while self.queue:
+        while self.queue and self.num_busy < self.n_parallel:
             slot = self._pick_slot(self.queue[0])
             if slot is None:
                 return
@@ -273,6 +275,7 @@ class LlamaCppEngine(EnginePolicy):
         self.query_tokens += req.prompt_len
         self.hit_tokens += n_past
         slot.req, slot.cache = req, EMPTY
+        self.num_busy += 1
         self.mark_scheduled(req, now)
         if self.params.cache_idle_slots and self.ram_limit:
             for s in self.slots:
@@ -299,7 +302,7 @@ class LlamaCppEngine(EnginePolicy):
             if need > self._free_cells():
                 self._fail_processing(out)       # decode() at n_batch == 1: "Context size has been exceeded."
                 return
-        self.plan.extend(self._split(entries))
+        self.plan.extend(self._split(entries, need))
 
     def _free_cells(self) -> int:
         if not self.kv_unified:
@@ -321,11 +324,12 @@ class LlamaCppEngine(EnginePolicy):
                                  f"hold this iteration and llama.cpp has no preemption")
                 out.rejected.append(req)
                 s.req, s.cache, s.last_used = None, EMPTY, self._tick()
+                self.num_busy -= 1
 
-    def _split(self, entries: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-        """Cut the iteration into forwards of n_ubatch tokens; tokens that sample go last (logits come after the
-        whole batch), and a request's pieces inside one forward are merged."""
-        if sum(n for _, n in entries) <= self.n_ubatch:
+    def _split(self, entries: list[tuple[Request, int]], need: int) -> list[list[tuple[Request, int]]]:
+        """Cut the iteration (`need` tokens) into forwards of n_ubatch tokens; tokens that sample go last (logits
+        come after the whole batch), and a request's pieces inside one forward are merged."""
+        if need <= self.n_ubatch:
             return [entries]
         head, tail = [], []
         for req, n in entries:
@@ -398,7 +402,7 @@ class LlamaCppEngine(EnginePolicy):
         cells = [s.cells for s in self.slots]
         assert sum(cells) <= self.n_ctx, "cells in use exceed n_ctx"
         assert all(c <= self.n_ctx_slot for c in cells), "a slot holds more than n_ctx_slot cells"
-        assert self.num_running() <= self.n_parallel
+        assert self.num_busy == sum(1 for s in self.slots if s.req is not None) <= self.n_parallel
         assert all(n <= self.n_ubatch for piece in self.plan for _, n in piece)
         if len(self.ram) > 1:
             assert sum(len(e) for e in self.ram) <= self.ram_limit, "RAM prompt cache over --cache-ram"

@@ -57,7 +57,7 @@ class Replica:
             out = engine.schedule(env.now)
             for req in out.rejected:
                 self.on_done(req, self.index)
-            if out.is_empty:
+            if not out.scheduled:
                 if engine.num_running():
                     raise RuntimeError(f"{engine.name} scheduled nothing with {engine.num_running()} running "
                                        f"({out.idle_reason or 'no reason given'})")
