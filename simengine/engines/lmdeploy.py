@@ -240,6 +240,8 @@ class LmdeployEngine(EnginePolicy):
         if req.num_computed_tokens or self.kv.num_blocks_of(req):
             return NO_HIT
         hit = self.kv.get_computed_blocks(req)
+        if not hit.blocks:
+            return hit
         for i, key in enumerate(block_hashes(req, self.kv.block_size)[:len(hit.blocks)]):
             if key in self._produced:
                 return PrefixHit(hit.blocks[:i], i * self.kv.block_size)

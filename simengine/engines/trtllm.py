@@ -347,6 +347,8 @@ class TrtllmEngine(PagedEngine):
         if req.num_computed_tokens:
             return NO_HIT
         hit = self.kv.get_computed_blocks(req)
+        if not hit.blocks:
+            return hit
         for i, key in enumerate(block_hashes(req, self.kv.block_size)[:len(hit.blocks)]):
             if key in self._produced:
                 self.kv.hit_tokens -= hit.num_tokens - i * self.kv.block_size
