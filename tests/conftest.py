@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -19,6 +21,15 @@ settings.register_profile("default", max_examples=25, deadline=None,
 settings.register_profile("fuzz", max_examples=1000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
+
+
+@pytest.fixture(autouse=True)
+def _slow_only_when_asked(request):
+    """`slow` tests run only when a -m expression selects them (`-m slow`) or SIMENGINE_SLOW=1: a plain `pytest`
+    (`make test`) skips them whether or not the project deselects the marker."""
+    if request.node.get_closest_marker("slow") and not request.config.getoption("markexpr") \
+            and os.environ.get("SIMENGINE_SLOW") != "1":
+        pytest.skip("slow: run with -m slow or SIMENGINE_SLOW=1")
 
 
 def make_dep(hardware: str = "h100_sxm", model: str = "llama-3.1-8b", weight_dtype: str = "bf16",

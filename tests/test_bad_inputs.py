@@ -70,15 +70,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_when_asked(request):
-    """`slow` tests run only when a -m expression selects them (`-m slow`) or SIMENGINE_SLOW=1: a plain `pytest`
-    (`make test`) skips them whether or not the project deselects the marker."""
-    if request.node.get_closest_marker("slow") and not request.config.getoption("markexpr") \
-            and os.environ.get("SIMENGINE_SLOW") != "1":
-        pytest.skip("slow: run with -m slow or SIMENGINE_SLOW=1")
-
-
 @pytest.fixture(scope="module")
 def corpus_results(tmp_path_factory) -> dict[str, dict]:
     work = _workdir(tmp_path_factory.mktemp("bad_inputs"))

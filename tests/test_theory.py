@@ -24,8 +24,6 @@ the relative standard error is ~1.2% at 1e5 requests, so the 2% comparison runs 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -40,15 +38,6 @@ CONSTANT = {"dist": "constant", "value": 32}
 # L4 (121 dense BF16 TFLOP/s, 300 GB/s): Llama-3.1-8B prefill is compute-bound above ~400 tokens, so the
 # service grows almost linearly with the prompt. Capped at 12000 (KV pool ~17k tokens; P(cap) = e^-4).
 EXPONENTIAL = {"dist": "exponential", "mean": 3000, "max": 12000}
-
-
-@pytest.fixture(autouse=True)
-def _slow_only_when_asked(request):
-    """`slow` tests run only when a -m expression selects them (`-m slow`) or SIMENGINE_SLOW=1: a plain `pytest`
-    (`make test`) skips them whether or not the project deselects the marker."""
-    if request.node.get_closest_marker("slow") and not request.config.getoption("markexpr") \
-            and os.environ.get("SIMENGINE_SLOW") != "1":
-        pytest.skip("slow: run with -m slow or SIMENGINE_SLOW=1")
 
 
 def _scenario(hardware: str, input_tokens: dict, n: int, arrival: dict, seed: int):

@@ -1,4 +1,4 @@
-"""Chained block hashes: equal prefixes give equal hashes, a changed token changes its block's hash and every later one."""
+"""Chained block hashes: equal prefixes hash equal; a changed token changes its block's hash and every later one."""
 
 import numpy as np
 from hypothesis import given, settings
