@@ -7,8 +7,9 @@ no wall clock, randomness only from an injected numpy Generator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sized
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import ClassVar
 
 from simengine.core.batch import BatchShape, SchedulerOutput
@@ -95,6 +96,10 @@ class EnginePolicy(ABC):
     def kv_capacity_tokens(self) -> int:
         return 0
 
+    def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
+        """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,
+        writes them now); call before reading a running request's progress from outside the engine."""
+
     # ---- shared mechanics ---------------------------------------------------------------------------
     def reject(self, req: Request, reason: str) -> bool:
         req.status = Status.FAILED
@@ -113,7 +118,7 @@ class EnginePolicy(ABC):
         itl = res.itl_groups
         finished = res.finished
         run_prev, run_count = -1.0, 0  # decodes whose previous token came at run_prev (mostly all of them)
-        for req, n in out.scheduled:
+        for req, n in islice(out.scheduled, out.num_lazy, None) if out.num_lazy else out.scheduled:
             computed = req.num_computed_tokens + n
             req.num_computed_tokens = computed
             produced = req.num_output_tokens
@@ -159,12 +164,16 @@ class EnginePolicy(ABC):
         for req in finished:
             self.release(req)
 
-    def make_shape(self, scheduled: Iterable[tuple[Request, int]]) -> BatchShape:
-        """The batch shape of a step, with CUDA-graph coverage decided by the engine's timing terms."""
+    def make_shape(self, scheduled: Sequence[tuple[Request, int]], num_lazy: int = 0,
+                   lazy_context_tokens: int = 0) -> BatchShape:
+        """The batch shape of a step, with CUDA-graph coverage decided by the engine's timing terms. The first
+        `num_lazy` entries are steady decodes reading `lazy_context_tokens` in all (their counters may be stale)."""
         shape = BatchShape()
         chunks = shape.prefill_chunks
-        num_decode = ctx = logits = structured = 0
-        for req, n in scheduled:
+        num_decode = logits = num_lazy
+        ctx = lazy_context_tokens
+        structured = 0
+        for req, n in islice(scheduled, num_lazy, None) if num_lazy else scheduled:
             if req.structured:
                 structured += 1
             computed = req.num_computed_tokens

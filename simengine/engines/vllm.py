@@ -3,6 +3,8 @@
 Running requests first in admission order, then waiting ones into the leftover token budget; decodes and
 prefill chunks share one budget (chunked prefill always on); admission needs blocks for the whole prompt;
 recompute preemption of the last-admitted (or lowest-priority) request; full-block hashed prefix cache.
+
+Simulation speed (not a vLLM mechanism): steady decodes are kept as one lazy cohort, see `VllmEngine`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
@@ -74,6 +76,11 @@ class VllmEngine(PagedEngine):
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
     supports_pipeline_microbatches = True  # v1/engine/core.py step_with_batch_queue: pp batches in flight
+    # A steady decode (one token a step, no KV event and not its last token in sight) joins a cohort whose counters
+    # advance lazily: a step walks only the other running requests and prices the cohort from two sums. When the
+    # step's tokens or blocks might not fit (a cap could bind, an allocation could fail) the cohort is dissolved and
+    # the exact per-request loop runs. Same results either way (tests/engines/test_vllm_cohort.py); off with pp > 1.
+    lazy_decode: ClassVar[bool] = True
 
     def __init__(self, params: VllmParams, dep: Deployment):
         seqs, batched = vllm_batch_defaults(dep)
@@ -106,6 +113,14 @@ class VllmEngine(PagedEngine):
         self.waiting_heap: list[tuple[int, float, int, Request]] = []
         self.priority = p.scheduling_policy == "priority"
         self.in_flight: set[int] = set()  # requests of batches still in the pipeline (pp > 1) are not rescheduled
+        self.lazy = self.lazy_decode and dep.pp == 1
+        self.steps_done = 0                # updates applied: the cohort's clock
+        self.last_step_end_s = -1.0
+        self.cohort: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1); engine_state = steps_done at joining
+        self.cohort_context = 0            # sum of (prompt + outputs - steps_done) at joining: context = this + n * steps
+        self.cohort_events: list[tuple[int, int, Request]] = []  # (step it must leave at, running order, req)
+        self.others: list[tuple[int, Request]] = []  # (running order, req): running requests outside the cohort
+        self.num_ordered = 0               # running-order numbers handed out
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -146,10 +161,19 @@ class VllmEngine(PagedEngine):
         # Invariant: sum of scheduled tokens <= max_num_batched_tokens; len(running) <= max_num_seqs;
         # waiting requests are admitted only if this step preempted nothing.
         out = SchedulerOutput()
-        budget = self._schedule_running(out, now)
+        budget = self._schedule_cohort(out) if self.lazy else None
+        exact = budget is None
+        if exact:
+            budget = self._schedule_running(out, now)
+        num_running = len(self.running)
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
-        out.shape = self.make_shape(out.scheduled)
+        if self.lazy:  # the admitted join the others at the end of the running order (all of running after the loop)
+            self._order(self.running if exact else self.running[num_running:], fresh=exact)
+            out.shape = self.make_shape(out.scheduled, out.num_lazy,
+                                        self.cohort_context + out.num_lazy * self.steps_done)
+        else:
+            out.shape = self.make_shape(out.scheduled)
         if self.dep.pp > 1:
             self.in_flight.update(r.request_id for r, _ in out.scheduled)
         return out
@@ -157,7 +181,148 @@ class VllmEngine(PagedEngine):
     def update(self, out: SchedulerOutput, now: float):
         if self.in_flight:
             self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
-        return super().update(out, now)
+        res = super().update(out, now)
+        if out.num_lazy:  # every cohort member's previous token came at the end of the previous step
+            itl, prev = res.itl_groups, self.last_step_end_s
+            itl[prev] = itl.get(prev, 0) + out.num_lazy
+        self.last_step_end_s = now
+        self.steps_done += 1
+        return res
+
+    # ---- the decode cohort ----------------------------------------------------------------------------
+    def _order(self, reqs: list[Request], *, fresh: bool) -> None:
+        """Number `reqs` in running order after every request numbered so far; `fresh` replaces the others."""
+        start = self.num_ordered
+        self.num_ordered += len(reqs)
+        numbered = list(zip(range(start, self.num_ordered), reqs))
+        if fresh:
+            self.others = numbered
+        else:
+            self.others += numbered
+
+    def _schedule_cohort(self, out: SchedulerOutput) -> int | None:
+        """The running-request part of a step with the cohort advanced as a whole: steady others join it, members
+        whose blocks change this step allocate (in running order, with the others), members due their last token
+        leave it and the others go through the exact per-request rules. Returns the budget left, or None after
+        dissolving the cohort when the exact loop must decide (a cap could bind or an allocation fail)."""
+        step, cohort, events = self.steps_done, self.cohort, self.cohort_events
+        due_now: list[tuple[int, Request, int]] = []  # members allocating this step: (running order, req, 1)
+        others, prev = [], self.last_step_end_s
+        for entry in self.others:
+            req = entry[1]
+            if req.status is not Status.RUNNING:
+                continue  # finished since
+            out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
+            if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
+                    and out_tokens + 1 < req.output_len and not req.structured):
+                cohort[req.request_id] = (req, 1)
+                req.engine_state = step
+                self.cohort_context += req.prompt_len + out_tokens - step
+                self._next_event(entry[0], req, due_now)
+                continue
+            others.append(entry)
+        if events and events[0][0] <= step:
+            leavers = False
+            while events and events[0][0] <= step:
+                _, order, req = heapq.heappop(events)
+                self._materialise(req)
+                req.engine_state = step
+                if req.num_output_tokens + 1 < req.output_len:
+                    self._next_event(order, req, due_now)
+                    continue
+                req.engine_state = None  # its last token: the exact rules finish it
+                del cohort[req.request_id]
+                self.cohort_context -= req.prompt_len + req.num_output_tokens - step
+                others.append((order, req))
+                leavers = True
+            if leavers:
+                others.sort()
+        self.others = others
+        # the step fits (no cap binds, no allocation fails) when every request's tokens and new blocks do
+        budget = self.max_num_batched_tokens - len(cohort)
+        threshold = self.params.long_prefill_token_threshold
+        alone = threshold and self._alone()
+        kv = self.kv
+        needed = len(due_now)  # a member needs at most one block
+        work = []
+        for order, req in others:
+            computed = req.num_computed_tokens
+            n = req.prompt_len + req.num_output_tokens - computed
+            if 0 < threshold < n and not alone:
+                n = threshold
+            budget -= n
+            if computed + n > req.kv_settled_tokens:
+                needed += kv.blocks_needed(req, n)
+            work.append((order, req, n))
+        free = len(kv.pool.free_queue)
+        if needed > free and due_now:
+            needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due_now) - len(due_now)
+        if budget < 0 or needed > free:
+            self._dissolve()
+            return None
+        out.scheduled = [*cohort.values()]
+        out.num_lazy = len(out.scheduled)
+        if due_now:
+            work += due_now
+            work.sort()
+        allocate = kv.allocate_slots
+        for _, req, n in work:
+            if req.num_computed_tokens + n > req.kv_settled_tokens and not allocate(req, n):
+                raise RuntimeError(f"vLLM cohort step: allocation for request {req.request_id} failed after the "
+                                   "block check")
+        for order, req, _ in due_now:
+            self._next_event(order, req, None)
+        out.scheduled += [(req, n) for _, req, n in work if req.request_id not in cohort] if due_now else \
+            [(req, n) for _, req, n in work]
+        return budget
+
+    def _next_event(self, order: int, req: Request, due_now: list | None) -> None:
+        """Queue a member (counters current) for the step its blocks change or its last token is due; one whose
+        blocks change this step goes to `due_now` instead (None: it has just allocated)."""
+        computed = req.num_computed_tokens
+        kv_in = req.kv_settled_tokens - computed
+        if kv_in <= 0 and due_now is not None:
+            due_now.append((order, req, 1))
+            return
+        last_in = req.output_len - 1 - req.num_output_tokens
+        heapq.heappush(self.cohort_events, (self.steps_done + min(kv_in, last_in), order, req))
+
+    def _materialise(self, req: Request) -> None:
+        """Write a cohort member's counters as of now."""
+        steps = self.steps_done - req.engine_state
+        if steps:
+            req.num_computed_tokens += steps
+            req.num_output_tokens += steps
+            req.last_token_s = self.last_step_end_s
+
+    def _dissolve(self) -> None:
+        """Every member back to exact per-request scheduling (a step the cohort cannot take as a whole)."""
+        for req, _ in self.cohort.values():
+            self._materialise(req)
+            req.engine_state = None
+        self.cohort.clear()
+        self.cohort_events.clear()
+        self.cohort_context = 0
+
+    def sync(self) -> None:
+        for req, _ in self.cohort.values():
+            self._materialise(req)
+            req.engine_state = self.steps_done
+
+    def check_invariants(self) -> None:
+        self.sync()
+        super().check_invariants()
+        if not self.lazy:
+            return
+        members = [r for r, _ in self.cohort.values()]
+        others = [r for _, r in self.others if r.status is Status.RUNNING]
+        assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in self.running), \
+            "cohort and others are not the running set"
+        assert len(self.cohort_events) == len(members), "a member without its leave event"
+        assert all(step > self.steps_done - 1 for step, _, _ in self.cohort_events), "a member stayed past its event"
+        assert all(r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens < r.output_len
+                   for r in members), "a member that is not a steady decode"
+        assert self.cohort_context + len(members) * self.steps_done == sum(r.num_tokens for r in members)
 
     def _cap(self, n: int, budget: int, alone: bool) -> int:
         t = self.params.long_prefill_token_threshold

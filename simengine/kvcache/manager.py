@@ -66,10 +66,11 @@ class KVCacheManager:
         if req.num_computed_tokens + num_new_tokens <= req.kv_settled_tokens and reserve_tokens <= \
                 req.kv_settled_tokens and not hit.blocks:
             return len(self.pool.free_queue) >= watermark_blocks  # nothing to allocate
-        return self._blocks_needed(req, num_new_tokens, hit, reserve_tokens) <= (
+        return self.blocks_needed(req, num_new_tokens, hit, reserve_tokens) <= (
             self.pool.num_free_after_touch(hit.blocks) - watermark_blocks)
 
-    def _blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit, reserve_tokens: int) -> int:
+    def blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, reserve_tokens: int = 0) -> int:
+        """New blocks allocate_slots would take for these arguments."""
         have = len(self.req_blocks.get(req.request_id, ())) + len(hit.blocks)
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         return max(0, self.blocks_for(max(total, reserve_tokens)) - have)

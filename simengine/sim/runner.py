@@ -255,6 +255,8 @@ class Runner:
         self.start_sources()
         limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
         self.env.run(until=self.env.any_of([self.all_done, limit]))
+        for eng in self.engines:
+            eng.sync()
         for req in sorted(self.live.values(), key=lambda r: r.request_id):
             self.recorder.request(req, -1, "unfinished")
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines)
