@@ -117,8 +117,8 @@ class VllmEngine(PagedEngine):
         self.steps_done = 0                # updates applied: the cohort's clock
         self.last_step_end_s = -1.0
         self.cohort: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1); engine_state = steps_done at joining
-        self.cohort_context = 0            # sum of (prompt + outputs - steps_done) at joining: context = this + n * steps
-        self.cohort_events: list[tuple[int, int, Request]] = []  # (step it must leave at, running order, req)
+        self.cohort_context = 0            # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
+        self.cohort_events: list[tuple[int, int, Request]] = []  # (next KV event or last token step, order, req)
         self.others: list[tuple[int, Request]] = []  # (running order, req): running requests outside the cohort
         self.num_ordered = 0               # running-order numbers handed out
 
