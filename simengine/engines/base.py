@@ -96,6 +96,16 @@ class EnginePolicy(ABC):
     def kv_capacity_tokens(self) -> int:
         return 0
 
+    def repeat_steps(self, out: SchedulerOutput) -> int:
+        """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode
+        token each, none finishing, no scheduling decision an arrival could change). The replica then prices and
+        applies them with `advance_shape` and `update` and skips `schedule`. 0 unless an engine proves more."""
+        return 0
+
+    def advance_shape(self, shape: BatchShape) -> None:
+        """The shape of a repeated decode step: every decode reads one more token of context."""
+        shape.decode_context_tokens += shape.num_decode
+
     def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
         """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,
         writes them now); call before reading a running request's progress from outside the engine."""

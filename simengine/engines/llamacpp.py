@@ -20,7 +20,7 @@ import numpy as np
 
 from simengine.config.loader import check_positive
 from simengine.core.batch import SchedulerOutput
-from simengine.core.request import Request
+from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
@@ -214,6 +214,23 @@ class LlamaCppEngine(EnginePolicy):
         self.num_truncated += self.stop_at_length(
             out, res, now, self.n_ctx_slot, f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off")
         return res
+
+    def repeat_steps(self, out: SchedulerOutput) -> int:
+        """Every slot busy and decoding, the iteration one forward: until a slot finishes, stops at n_ctx_slot
+        or the unified cells run short, each iteration is the same one-token-per-slot forward and no queued task
+        can take a slot."""
+        if (self.plan or self.num_busy < self.n_parallel or len(out.scheduled) != self.num_busy
+                or out.shape.prefill_chunks):  # a prompt's last token was a prefill chunk, not yet a decode
+            return 0
+        steps = self.n_ctx  # any bound
+        for req, n in out.scheduled:
+            out_tokens = req.num_output_tokens
+            if n != 1 or not out_tokens or req.status is not Status.RUNNING:
+                return 0
+            steps = min(steps, req.output_len - 1 - out_tokens, self.n_ctx_slot - 1 - req.prompt_len - out_tokens)
+        if self.kv_unified:  # each iteration needs one free cell per slot
+            steps = min(steps, self._free_cells() // self.num_busy)
+        return max(steps, 0)
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

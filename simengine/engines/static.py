@@ -169,6 +169,15 @@ class StaticEngine(EnginePolicy):
         out.shape = BatchShape(num_decode=len(active), padded_decode=rows, decode_context_tokens=rows * context,
                                num_logits=rows)
 
+    def repeat_steps(self, out: SchedulerOutput) -> int:
+        """A running batch decodes in lockstep: until its next member finishes, every step is the same."""
+        if not self.batch or not out.shape.num_decode:
+            return 0
+        return max(0, min(r.output_len - 1 - r.num_output_tokens for r, _ in out.scheduled))
+
+    def advance_shape(self, shape: BatchShape) -> None:
+        shape.decode_context_tokens += shape.padded_decode  # every row, padding included, reads one more token
+
     # ---- update -------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared token progress; finished members are held until the whole batch is done, then all return."""

@@ -1,0 +1,133 @@
+"""The simulator's speed devices change no result: with each on or off, every run gives identical figures.
+
+* vLLM's lazy decode cohort: random scenarios (the fuzz generator's, plus vLLM's own scheduling knobs:
+  long_prefill_token_threshold, priority scheduling, prefix caching off, block size) run with
+  `VllmEngine.lazy_decode` off (every request walked every step) and on.
+* Repeated steps (`EnginePolicy.repeat_steps`, llama.cpp and the static baseline): random scenarios run with the
+  engine's proof of repeated steps and with none (every step scheduled).
+The request rows, the step rows and the inter-token gaps must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from unittest import mock
+
+import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simengine import api
+from simengine.config.loader import from_dict
+from simengine.config.scenario import Scenario
+from simengine.engines import ENGINES
+from simengine.engines.base import EnginePolicy
+from simengine.engines.vllm import VllmEngine
+from simengine.errors import InputError
+from tests.test_fuzz_invariants import build, scenarios
+
+
+def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
+    """More arrivals than the replica serves: long busy periods of many concurrent decodes."""
+    return from_dict(Scenario, {
+        "name": "busy", "seed": 5, "horizon_s": 1e6, "drain_s": 1e6,
+        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+        "workload": {"arrival": {"process": "poisson", "rate": 40.0}, "num_requests": num_requests,
+                     "input_tokens": {"dist": "lognormal", "mean": 800, "sigma": 0.8, "max": 6000},
+                     "output_tokens": {"dist": "lognormal", "mean": 200, "sigma": 0.8, "max": 1500},
+                     "shared_prefix_tokens": 256},
+        "engines": [{"engine": engine, "params": params}]}, source="test")
+
+
+def _run(sc, lazy: bool) -> api.EngineResult:
+    with mock.patch.object(VllmEngine, "lazy_decode", lazy):
+        return api.run_engine(sc, sc.engines[0])
+
+
+def _gaps(res: api.EngineResult) -> Counter:
+    gaps: Counter = Counter()
+    for value, count in zip(res.itl_ms, res.itl_counts):
+        gaps[value] += int(count)
+    return gaps
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(draw=scenarios(engine="vllm"), threshold=st.sampled_from([0, 0, 48]),
+       policy=st.sampled_from(["fcfs", "fcfs", "priority"]), caching=st.sampled_from([True, True, False]),
+       block_size=st.sampled_from([16, 16, 8, 64]))
+def test_cohort_changes_no_result(draw, threshold, policy, caching, block_size):
+    engine, data, kv_tokens, caps = draw
+    try:
+        sc = build(engine, data, kv_tokens, caps)
+    except InputError:
+        return  # a configuration the tool refuses: nothing to compare
+    entry = sc.engines[0]
+    params = {**entry.params, "long_prefill_token_threshold": threshold, "scheduling_policy": policy,
+              "enable_prefix_caching": caching, "block_size": block_size}
+    sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)])
+    try:
+        eager = _run(sc, lazy=False)
+    except InputError:
+        return
+    _assert_same(_run(sc, lazy=True), eager)
+
+
+def test_cohort_is_used_and_equal_on_a_busy_run():
+    """A loaded replica (hundreds of concurrent decodes, KV near full so some steps fall back) gives the same
+    figures with the cohort as without, and the cohort really carries most decodes."""
+    sc = _busy("vllm", 600, {"kv_cache_memory_bytes": 40000 * 131072})
+    lazy_steps = []
+    real_update = VllmEngine.update
+
+    def spy(self, out, now):
+        lazy_steps.append((out.num_lazy, out.shape.num_decode))
+        return real_update(self, out, now)
+
+    eager = _run(sc, lazy=False)
+    with mock.patch.object(VllmEngine, "update", spy):
+        lazy = _run(sc, lazy=True)
+    _assert_same(lazy, eager)
+    assert lazy.summary["preemptions"] > 0  # the fallback to the exact loop ran too
+    carried = sum(k for k, _ in lazy_steps) / sum(d for _, d in lazy_steps)
+    assert carried > 0.7, f"the cohort carried only {carried:.0%} of decodes"
+
+
+def _assert_same(a: api.EngineResult, b: api.EngineResult) -> None:
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    pd.testing.assert_frame_equal(a.steps, b.steps)
+    assert _gaps(a) == _gaps(b)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=st.sampled_from(["llamacpp", "static"]), data=st.data())
+def test_repeated_steps_change_no_result(engine, data):
+    engine, scenario, kv_tokens, caps = data.draw(scenarios(engine=engine))
+    try:
+        sc = build(engine, scenario, kv_tokens, caps)
+        every_step = _run_without_repeats(sc, engine)
+    except InputError:
+        return
+    _assert_same(api.run_engine(sc, sc.engines[0]), every_step)
+
+
+def _run_without_repeats(sc, engine: str) -> api.EngineResult:
+    with mock.patch.object(ENGINES.get(engine), "repeat_steps", EnginePolicy.repeat_steps):
+        return api.run_engine(sc, sc.engines[0])
+
+
+def test_repeated_steps_are_used_and_equal_on_a_busy_run():
+    """Overloaded llama.cpp (4 slots) and static batches: most steps are repeats, and the figures are the same."""
+    for engine in ("llamacpp", "static"):
+        sc = _busy(engine, 60, {})
+        calls: list[float] = []
+        cls = ENGINES.get(engine)
+
+        def spy(self, now, real=cls.schedule, calls=calls):
+            calls.append(now)
+            return real(self, now)
+
+        with mock.patch.object(cls, "schedule", spy):
+            fast = api.run_engine(sc, sc.engines[0])
+        _assert_same(fast, _run_without_repeats(sc, engine))
+        assert len(calls) < 0.2 * len(fast.steps), f"{engine}: {len(calls)} schedule calls for {len(fast.steps)} steps"
