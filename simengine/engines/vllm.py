@@ -225,10 +225,14 @@ class VllmEngine(PagedEngine):
             leavers = False
             while events and events[0][0] <= step:
                 _, order, req = heapq.heappop(events)
-                self._materialise(req)
+                steps = step - req.engine_state  # _materialise, inline: one event per member per 8 steps or so
+                if steps:
+                    req.num_computed_tokens += steps
+                    req.num_output_tokens += steps
+                    req.last_token_s = prev
                 req.engine_state = step
                 if req.num_output_tokens + 1 < req.output_len:
-                    self._next_event(order, req, due_now)
+                    due_now.append((order, req, 1))  # its blocks change (allocate_slots skips it if not)
                     continue
                 req.engine_state = None  # its last token: the exact rules finish it
                 del cohort[req.request_id]
@@ -244,7 +248,7 @@ class VllmEngine(PagedEngine):
         alone = threshold and self._alone()
         kv = self.kv
         needed = len(due_now)  # a member needs at most one block
-        work = []
+        scheduled, allocating = [], due_now[:]
         for order, req in others:
             computed = req.num_computed_tokens
             n = req.prompt_len + req.num_output_tokens - computed
@@ -253,27 +257,25 @@ class VllmEngine(PagedEngine):
             budget -= n
             if computed + n > req.kv_settled_tokens:
                 needed += kv.blocks_needed(req, n)
-            work.append((order, req, n))
+                allocating.append((order, req, n))
+            scheduled.append((req, n))
         free = len(kv.pool.free_queue)
         if needed > free and due_now:
             needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due_now) - len(due_now)
         if budget < 0 or needed > free:
             self._dissolve()
             return None
-        out.scheduled = [*cohort.values()]
-        out.num_lazy = len(out.scheduled)
-        if due_now:
-            work += due_now
-            work.sort()
+        out.scheduled = [*cohort.values(), *scheduled]
+        out.num_lazy = len(cohort)
+        if len(allocating) > 1:
+            allocating.sort()  # running order
         allocate = kv.allocate_slots
-        for _, req, n in work:
+        for _, req, n in allocating:
             if req.num_computed_tokens + n > req.kv_settled_tokens and not allocate(req, n):
                 raise RuntimeError(f"vLLM cohort step: allocation for request {req.request_id} failed after the "
                                    "block check")
         for order, req, _ in due_now:
             self._next_event(order, req, None)
-        out.scheduled += [(req, n) for _, req, n in work if req.request_id not in cohort] if due_now else \
-            [(req, n) for _, req, n in work]
         return budget
 
     def _next_event(self, order: int, req: Request, due_now: list | None) -> None:
