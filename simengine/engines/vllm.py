@@ -206,8 +206,8 @@ class VllmEngine(PagedEngine):
         leave it and the others go through the exact per-request rules. Returns the budget left, or None after
         dissolving the cohort when the exact loop must decide (a cap could bind or an allocation fail)."""
         step, cohort, events = self.steps_done, self.cohort, self.cohort_events
-        due_now: list[tuple[int, Request, int]] = []  # members allocating this step: (running order, req, 1)
         others, prev = [], self.last_step_end_s
+        push, pop = heapq.heappush, heapq.heappop
         for entry in self.others:
             req = entry[1]
             if req.status is not Status.RUNNING:
@@ -218,21 +218,25 @@ class VllmEngine(PagedEngine):
                 cohort[req.request_id] = (req, 1)
                 req.engine_state = step
                 self.cohort_context += req.prompt_len + out_tokens - step
-                self._next_event(entry[0], req, due_now)
+                kv_in = req.kv_settled_tokens - computed  # its first event: blocks change, or last token due
+                last_in = req.output_len - 1 - out_tokens
+                push(events, (step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step, entry[0], req))
                 continue
             others.append(entry)
+        # members whose event is this step, popped in running order: their blocks change, or their last token is due
+        due: list[tuple[int, Request, int]] = []  # (running order, req, 1)
         if events and events[0][0] <= step:
             leavers = False
             while events and events[0][0] <= step:
-                _, order, req = heapq.heappop(events)
-                steps = step - req.engine_state  # _materialise, inline: one event per member per 8 steps or so
+                _, order, req = pop(events)
+                steps = step - req.engine_state  # _materialise, inline
                 if steps:
                     req.num_computed_tokens += steps
                     req.num_output_tokens += steps
                     req.last_token_s = prev
                 req.engine_state = step
                 if req.num_output_tokens + 1 < req.output_len:
-                    due_now.append((order, req, 1))  # its blocks change (allocate_slots skips it if not)
+                    due.append((order, req, 1))
                     continue
                 req.engine_state = None  # its last token: the exact rules finish it
                 del cohort[req.request_id]
@@ -247,8 +251,8 @@ class VllmEngine(PagedEngine):
         threshold = self.params.long_prefill_token_threshold
         alone = threshold and self._alone()
         kv = self.kv
-        needed = len(due_now)  # a member needs at most one block
-        scheduled, allocating = [], due_now[:]
+        needed = len(due)  # a member needs at most one block
+        scheduled, allocating = [], []
         for order, req in others:
             computed = req.num_computed_tokens
             n = req.prompt_len + req.num_output_tokens - computed
@@ -259,35 +263,30 @@ class VllmEngine(PagedEngine):
                 needed += kv.blocks_needed(req, n)
                 allocating.append((order, req, n))
             scheduled.append((req, n))
-        free = len(kv.pool.free_queue)
-        if needed > free and due_now:
-            needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due_now) - len(due_now)
+        free = kv.pool.num_free
+        if needed > free and due:
+            needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due) - len(due)
         if budget < 0 or needed > free:
             self._dissolve()
             return None
         out.scheduled = [*cohort.values(), *scheduled]
         out.num_lazy = len(cohort)
-        if len(allocating) > 1:
+        if allocating:
+            allocating += due
             allocating.sort()  # running order
-        allocate = kv.allocate_slots
-        for _, req, n in allocating:
-            if req.num_computed_tokens + n > req.kv_settled_tokens and not allocate(req, n):
+        else:
+            allocating = due
+        allocate, append = kv.allocate_slots, kv.append_slot
+        for order, req, n in allocating:
+            computed = req.num_computed_tokens
+            if computed + n > req.kv_settled_tokens and not (append(req) if n == 1 else allocate(req, n)):
                 raise RuntimeError(f"vLLM cohort step: allocation for request {req.request_id} failed after the "
                                    "block check")
-        for order, req, _ in due_now:
-            self._next_event(order, req, None)
+            if req.engine_state is not None:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
+                kv_in = req.kv_settled_tokens - computed
+                last_in = req.output_len - 1 - req.num_output_tokens
+                push(events, (step + (kv_in if kv_in < last_in else last_in), order, req))
         return budget
-
-    def _next_event(self, order: int, req: Request, due_now: list | None) -> None:
-        """Queue a member (counters current) for the step its blocks change or its last token is due; one whose
-        blocks change this step goes to `due_now` instead (None: it has just allocated)."""
-        computed = req.num_computed_tokens
-        kv_in = req.kv_settled_tokens - computed
-        if kv_in <= 0 and due_now is not None:
-            due_now.append((order, req, 1))
-            return
-        last_in = req.output_len - 1 - req.num_output_tokens
-        heapq.heappush(self.cohort_events, (self.steps_done + min(kv_in, last_in), order, req))
 
     def _materialise(self, req: Request) -> None:
         """Write a cohort member's counters as of now."""

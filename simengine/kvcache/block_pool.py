@@ -1,21 +1,28 @@
 """A paged KV block pool with ref counts and a hashed-full-block prefix cache (vLLM V1 semantics).
 
-Free blocks sit in one LRU queue (an OrderedDict: O(1) pop from the front and removal from the middle):
-allocation pops from the front; a freed
-request's blocks are appended tail-first, so the end of a prefix chain is evicted before its head. A popped
-block that still carries a hash leaves the hash map then (lazy eviction). A cached block with ref count 0
-can be touched back out of the free queue by a prefix hit.
+Free blocks form one LRU queue: allocation takes from the front; a freed request's blocks join the tail in
+reverse, so the end of a prefix chain is evicted before its head. A taken block that still owns a cached hash
+drops it then (lazy eviction). A cached block with ref count 0 can be touched back out of the queue by a prefix
+hit.
+
+The queue is a deque of block ids in LRU order. A touch leaves the block's entry behind as a stale one (counted
+in `stale`, skipped when reached) instead of removing it from the middle: a block's stale entries always precede
+its live one, because an entry is appended only when the block is freed. The queue is compacted when stale
+entries pile up.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 
 import numpy as np
 
 
 class BlockPool:
-    """`num_blocks` KV blocks. Contract: ref counts never negative; used + free == num_blocks."""
+    """`num_blocks` KV blocks. Contract: ref counts never negative; used + free == num_blocks; a block's
+    `block_hash` is set exactly when the cache maps that hash to it."""
+
+    compact_min_stale = 1024  # stale queue entries tolerated before compacting (besides one per free block)
 
     def __init__(self, num_blocks: int, *, enable_caching: bool):
         if num_blocks < 1:
@@ -25,103 +32,141 @@ class BlockPool:
         self.ref_cnt: list[int] = [0] * num_blocks       # a list: Python-level indexing is ~5x a numpy array's
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                  # block hash -> block id
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_evictions = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
+        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.num_free = num_blocks
+        self.stale: dict[int, int] = {}                   # block id -> its stale entries in free_queue
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free
 
     def usage(self) -> float:
         return self.num_used / self.num_blocks
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in LRU order (eviction order), without the stale entries."""
+        pending = dict(self.stale)
+        out = []
+        for b in self.free_queue:
+            if b in pending:
+                if pending[b] == 1:
+                    del pending[b]
+                else:
+                    pending[b] -= 1
+                continue
+            out.append(b)
+        return out
 
     def lookup(self, block_hash: int) -> int | None:
         """The cached block holding this hash, or None."""
         return self.cached.get(block_hash)
 
+    def _take(self, n: int) -> list[int]:
+        """Pop n live entries from the queue front (the caller checked num_free >= n and counted them)."""
+        popleft = self.free_queue.popleft
+        if not self.stale:
+            return [popleft() for _ in range(n)]
+        stale, out = self.stale, []
+        while len(out) < n:
+            b = popleft()
+            left = stale.get(b)
+            if left is None:
+                out.append(b)
+            elif left == 1:
+                del stale[b]
+            else:
+                stale[b] = left - 1
+        return out
+
     def allocate(self, n: int) -> list[int]:
-        """Pop n blocks from the LRU front (evicting their cached content). Caller checked num_free >= n."""
-        if n > len(self.free_queue):
-            raise RuntimeError(f"allocate({n}) with only {len(self.free_queue)} free blocks")
-        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
-        popitem = self.free_queue.popitem
-        out = [popitem(last=False)[0] for _ in range(n)]
+        """Take n blocks from the LRU front (evicting their cached content). Caller checked num_free >= n."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
+        self.num_free -= n
+        out = self._take(n)
+        ref_cnt, block_hash, cached = self.ref_cnt, self.block_hash, self.cached
         for b in out:
             ref_cnt[b] = 1
             h = block_hash[b]
             if h is not None:
-                if cached.get(h) == b:
-                    del cached[h]
                 block_hash[b] = None
-                self.num_evictions += 1
+                del cached[h]
         return out
 
     def allocate_one(self) -> int:
         """allocate(1) without the list."""
-        if not self.free_queue:
+        if not self.num_free:
             raise RuntimeError("allocate(1) with no free block")
-        b = self.free_queue.popitem(last=False)[0]
+        self.num_free -= 1
+        b = self._take(1)[0] if self.stale else self.free_queue.popleft()
         self.ref_cnt[b] = 1
         h = self.block_hash[b]
         if h is not None:
-            if self.cached.get(h) == b:
-                del self.cached[h]
             self.block_hash[b] = None
-            self.num_evictions += 1
+            del self.cached[h]
         return b
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cached blocks hit by a prefix lookup."""
-        free_queue, ref_cnt = self.free_queue, self.ref_cnt
+        ref_cnt, stale = self.ref_cnt, self.stale
         for b in blocks:
-            if ref_cnt[b] == 0:
-                del free_queue[b]
+            if ref_cnt[b] == 0:  # it leaves the free queue: its entry goes stale
+                stale[b] = stale.get(b, 0) + 1
+                self.num_free -= 1
             ref_cnt[b] += 1
+        if len(self.free_queue) - self.num_free > max(self.compact_min_stale, self.num_free):  # amortised O(1)
+            self.free_queue = deque(self.free_blocks())
+            stale.clear()
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the LRU tail in reverse order."""
-        free_queue, ref_cnt, block_hash = self.free_queue, self.ref_cnt, self.block_hash
-        caching = self.enable_caching
+        ref_cnt, freed = self.ref_cnt, []
         for b in reversed(blocks):
             c = ref_cnt[b] - 1
             ref_cnt[b] = c
-            if c == 0:
-                if not caching and block_hash[b] is not None:
-                    block_hash[b] = None
-                free_queue[b] = None
+            if not c:
+                freed.append(b)
             elif c < 0:
                 raise RuntimeError(f"block {b} ref count went negative")
+        self.free_queue.extend(freed)
+        self.num_free += len(freed)
 
     def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
-        """Publish full blocks' hashes. An existing mapping for a hash is kept (no de-duplication)."""
+        """Publish the full blocks' hashes (blocks that own none yet). A hash the cache already maps keeps its
+        block (no de-duplication: the new block stays unpublished)."""
         if not self.enable_caching:
             return
-        block_hash, add = self.block_hash, self.cached.setdefault
-        for b, h in zip(blocks, hashes):
-            if block_hash[b] is None:
+        cached, block_hash = self.cached, self.block_hash
+        if cached.keys().isdisjoint(hashes):  # the usual case, in C
+            cached.update(zip(hashes, blocks))
+            for b, h in zip(blocks, hashes):
                 block_hash[b] = h
-                add(h, b)
+            return
+        for b, h in zip(blocks, hashes):
+            if h not in cached:
+                cached[h] = b
+                block_hash[b] = h
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """cache_blocks for one block."""
-        if self.enable_caching and self.block_hash[block] is None:
+        if self.enable_caching and block_hash not in self.cached:
+            self.cached[block_hash] = block
             self.block_hash[block] = block_hash
-            self.cached.setdefault(block_hash, block)
 
     def num_free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left if `blocks` (cache hits) were touched: hits idle in the free queue stop being free."""
-        return len(self.free_queue) - sum(1 for b in blocks if self.ref_cnt[b] == 0)
+        return self.num_free - sum(1 for b in blocks if self.ref_cnt[b] == 0)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests and fuzzing)."""
         ref_cnt = np.asarray(self.ref_cnt)
         assert (ref_cnt >= 0).all(), "negative ref count"
+        free_blocks = self.free_blocks()
+        assert len(free_blocks) == self.num_free, "free count disagrees with the free queue"
+        assert len(set(free_blocks)) == len(free_blocks), "a block twice in the free queue"
         free = np.zeros(self.num_blocks, dtype=bool)
-        free[list(self.free_queue)] = True
+        free[free_blocks] = True
         assert ((ref_cnt == 0) == free).all(), "free queue disagrees with ref counts"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, "hash map points at a block with another hash"
+        assert sum(h is not None for h in self.block_hash) == len(self.cached), "a block owns a hash the map lacks"

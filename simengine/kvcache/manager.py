@@ -65,7 +65,7 @@ class KVCacheManager:
         """Whether allocate_slots would succeed (no state change)."""
         if req.num_computed_tokens + num_new_tokens <= req.kv_settled_tokens and reserve_tokens <= \
                 req.kv_settled_tokens and not hit.blocks:
-            return len(self.pool.free_queue) >= watermark_blocks  # nothing to allocate
+            return self.pool.num_free >= watermark_blocks  # nothing to allocate
         return self.blocks_needed(req, num_new_tokens, hit, reserve_tokens) <= (
             self.pool.num_free_after_touch(hit.blocks) - watermark_blocks)
 
@@ -96,7 +96,7 @@ class KVCacheManager:
         if needed < 0:
             needed = 0
         if needed or watermark_blocks:
-            free = pool.num_free_after_touch(hit_blocks) if hit_blocks else len(pool.free_queue)
+            free = pool.num_free_after_touch(hit_blocks) if hit_blocks else pool.num_free
             if needed > free - watermark_blocks:
                 return False
         if blocks is None:
@@ -109,6 +109,25 @@ class KVCacheManager:
             blocks.append(pool.allocate_one())
         elif needed:
             blocks.extend(pool.allocate(needed))
+        self._settle(req, blocks, end)
+        return True
+
+    def append_slot(self, req: Request) -> bool:
+        """allocate_slots(req, 1) for a running request whose computed tokens its blocks hold (a decode, or a
+        prompt's last token): at most one new block, no hit, no reservation. The cohort's per-event path."""
+        blocks = self.req_blocks[req.request_id]
+        end = req.num_computed_tokens + 1
+        if end > len(blocks) * self.block_size:
+            if not self.pool.num_free:
+                return False
+            blocks.append(self.pool.allocate_one())
+        self._settle(req, blocks, end)
+        return True
+
+    def _settle(self, req: Request, blocks: list[int], end: int) -> None:
+        """After `req`'s blocks were sized for `end` computed tokens: publish the blocks those tokens fill and set
+        `kv_settled_tokens`, how far its computed tokens can grow before the manager has work again."""
+        bs = self.block_size
         settled = len(blocks) * bs
         if self.enable_prefix_caching:
             hashed = self._publish(req, blocks, end)
@@ -116,7 +135,6 @@ class KVCacheManager:
             if next_full <= len(req.token_ids) and next_full <= settled:
                 settled = next_full - 1  # stop short of filling the next block, which gets published
         req.kv_settled_tokens = settled
-        return True
 
     def _publish(self, req: Request, blocks: list[int], num_tokens: int) -> int:
         """Hash and publish the request's `blocks` that `num_tokens` computed tokens fill completely; return how

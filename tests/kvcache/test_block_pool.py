@@ -1,6 +1,9 @@
 """BlockPool and KVCacheManager: ref counts, LRU free queue, hashed prefix hits, capacity."""
 
+from collections import OrderedDict
+
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,7 +25,7 @@ def test_freed_blocks_join_lru_tail_in_reverse_so_chain_tail_is_evicted_first():
     pool = BlockPool(4, enable_caching=True)
     a = pool.allocate(4)
     pool.free(a)  # appended reversed: a[3], a[2], a[1], a[0]
-    assert list(pool.free_queue) == [a[3], a[2], a[1], a[0]]
+    assert pool.free_blocks() == [a[3], a[2], a[1], a[0]]
 
 
 def test_prefix_hit_shares_blocks_and_caps_at_one_token_short():
@@ -91,3 +94,74 @@ def test_random_alloc_free_keeps_invariants(ops):
         kv.free(r)
     kv.pool.check_invariants()
     assert kv.pool.num_free == kv.num_blocks
+
+
+class ReferencePool:
+    """The pool's semantics written the plain way: an OrderedDict LRU queue, eager removal on touch."""
+
+    def __init__(self, num_blocks: int):
+        self.ref = [0] * num_blocks
+        self.lru = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.owner: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        out = [self.lru.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+            if b in self.owner:
+                del self.cached[self.owner.pop(b)]
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.lru[b] = None
+
+    def touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.lru[b]
+            self.ref[b] += 1
+
+    def cache(self, blocks: list[int], hashes: list[int]) -> None:
+        for b, h in zip(blocks, hashes):
+            if h not in self.cached:
+                self.cached[h] = b
+                self.owner[b] = h
+
+
+@pytest.mark.parametrize("compact_min_stale", [0, 1024])
+@given(ops=st.lists(st.tuples(st.sampled_from("afch"), st.integers(0, 50), st.integers(1, 4)), max_size=120))
+def test_pool_matches_the_plain_lru_model(compact_min_stale, ops):
+    """Allocation order, LRU order after frees and prefix touches (stale queue entries), and the hash map all match
+    the OrderedDict model, with and without compaction."""
+    pool, ref = BlockPool(6, enable_caching=True), ReferencePool(6)
+    pool.compact_min_stale = compact_min_stale
+    groups: list[list[int]] = []  # held block lists, as requests hold them
+    fresh: list[list[int]] = []   # groups not yet published
+    for kind, pick, n in ops:
+        if kind == "a" and n <= pool.num_free:
+            got = pool.allocate(n) if n > 1 else [pool.allocate_one()]
+            assert got == ref.allocate(n)
+            groups.append(got)
+            fresh.append(got)
+        elif kind == "f" and groups:
+            g = groups.pop(pick % len(groups))
+            pool.free(g)
+            ref.free(g)
+            fresh = [f for f in fresh if f is not g]
+        elif kind == "c" and fresh:
+            g = fresh.pop(pick % len(fresh))
+            hashes = [(pick + i) % 7 for i in range(len(g))]  # few hashes: collisions with cached ones
+            pool.cache_blocks(g, hashes) if len(g) > 1 else pool.cache_block(g[0], hashes[0])
+            ref.cache(g, hashes)
+        elif kind == "h" and pool.cached:
+            b = pool.lookup(sorted(pool.cached)[pick % len(pool.cached)])
+            pool.touch([b])
+            ref.touch([b])
+            groups.append([b])
+        assert pool.free_blocks() == list(ref.lru)
+        assert pool.cached == ref.cached
+        pool.check_invariants()
