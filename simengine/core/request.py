@@ -28,6 +28,7 @@ class Request:
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
+        "hash_batch",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
@@ -58,6 +59,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1   # prefix-cache hit at first admission (-1 = not admitted yet)
         self.block_hashes: list[int] | None = None  # kvcache.hashing.block_hashes, on first need
+        self.hash_batch = None        # (kvcache.hashing.HashBatch, index): hashed in one pass with its batch
         self.fail_reason = ""
         self.engine_state = None      # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or

@@ -15,6 +15,7 @@ import numpy as np
 from simengine.config.hardware import REPO_ROOT
 from simengine.core.request import Request
 from simengine.errors import InputError
+from simengine.kvcache.hashing import HashBatch
 from simengine.workload.arrivals import arrival_times
 from simengine.workload.config import RequestClass, TraceConfig, WorkloadConfig
 
@@ -104,11 +105,15 @@ class RequestFactory:
         while made < limit:
             n = int(min(chunk, limit - made))
             times = arrival_times(cfg.arrival, self.rng_arrivals, n, t)
-            for i in range(n):
-                if times[i] > horizon_s:
-                    return
-                yield self.plain_request(float(times[i]))
-                made += 1
+            within = n if times[-1] <= horizon_s else int(np.searchsorted(times, horizon_s, side="right"))
+            batch = [self.plain_request(a) for a in times[:within].tolist()]
+            hashing = HashBatch([req.token_ids for req in batch])  # the chunk is hashed in one pass on first need
+            for index, req in enumerate(batch):
+                req.hash_batch = (hashing, index)
+            yield from batch
+            if within < n:
+                return
+            made += n
             t = float(times[-1])
 
     def plain_request(self, now: float) -> Request:
