@@ -234,12 +234,6 @@ class PagedEngine(EnginePolicy):
         self.running.remove(req)
         self.kv.free(req)
 
-    def on_finished(self, finished: list[Request], now: float) -> None:
-        done = {id(r) for r in finished}
-        self.running = [r for r in self.running if id(r) not in done]
-        for req in finished:
-            self.kv.free(req)
-
     def admit_head(self, n: int, now: float, out: SchedulerOutput) -> Request:
         """Move the head of a deque `waiting` (blocks already allocated, no prefix hit) to running with `n` tokens
         this step (Orca, Sarathi, generic)."""

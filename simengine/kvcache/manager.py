@@ -130,28 +130,24 @@ class KVCacheManager:
         bs = self.block_size
         settled = len(blocks) * bs
         if self.enable_prefix_caching:
-            hashed = self._publish(req, blocks, end)
+            rid = req.request_id
+            hashed = self.req_hashed.get(rid, 0)
+            num_tokens = len(req.token_ids)
+            full = (end if end < num_tokens else num_tokens) // bs
+            if full > hashed:  # publish the newly full blocks
+                last = full if full < len(blocks) else len(blocks)
+                hashes = req.block_hashes
+                if hashes is None:
+                    hashes = block_hashes(req, bs)
+                if last == hashed + 1:
+                    self.pool.cache_block(blocks[hashed], hashes[hashed])
+                else:
+                    self.pool.cache_blocks(blocks[hashed:last], hashes[hashed:last])
+                self.req_hashed[rid] = hashed = last
             next_full = (hashed + 1) * bs
-            if next_full <= len(req.token_ids) and next_full <= settled:
+            if next_full <= num_tokens and next_full <= settled:
                 settled = next_full - 1  # stop short of filling the next block, which gets published
         req.kv_settled_tokens = settled
-
-    def _publish(self, req: Request, blocks: list[int], num_tokens: int) -> int:
-        """Hash and publish the request's `blocks` that `num_tokens` computed tokens fill completely; return how
-        many of its blocks are published."""
-        rid = req.request_id
-        done = self.req_hashed.get(rid, 0)
-        full = min(num_tokens, len(req.token_ids)) // self.block_size
-        if full <= done:
-            return done
-        last = min(full, len(blocks))
-        hashes = block_hashes(req, self.block_size)
-        if last == done + 1:
-            self.pool.cache_block(blocks[done], hashes[done])
-        else:
-            self.pool.cache_blocks(blocks[done:last], hashes[done:last])
-        self.req_hashed[rid] = last
-        return last
 
     def num_blocks_of(self, req: Request) -> int:
         return len(self.req_blocks.get(req.request_id, ()))
