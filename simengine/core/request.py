@@ -28,12 +28,13 @@ class Request:
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
-        "hash_batch",
+        "hash_batch", "unique_outputs",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
                  output_len: int, *, max_tokens: int | None = None, priority: int = 0,
-                 session_id: int = -1, turn: int = 0, slo_class: str = "", structured: bool = False):
+                 session_id: int = -1, turn: int = 0, slo_class: str = "", structured: bool = False,
+                 unique_outputs: bool = False):
         if output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {output_len}")
         if len(token_ids) < prompt_len + output_len - 1:
@@ -60,6 +61,8 @@ class Request:
         self.num_cached_tokens = -1   # prefix-cache hit at first admission (-1 = not admitted yet)
         self.block_hashes: list[int] | None = None  # kvcache.hashing.block_hashes, on first need
         self.hash_batch = None        # (kvcache.hashing.HashBatch, index): hashed in one pass with its batch
+        self.unique_outputs = unique_outputs  # its output tokens are its own (fresh random draws): no other request
+                                              # holds a block containing one while it runs (a later turn may, after)
         self.fail_reason = ""
         self.engine_state = None      # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or

@@ -81,6 +81,9 @@ class VllmEngine(PagedEngine):
     # step's tokens or blocks might not fit (a cap could bind, an allocation could fail) the cohort is dissolved and
     # the exact per-request loop runs. Same results either way (tests/engines/test_vllm_cohort.py); off with pp > 1.
     lazy_decode: ClassVar[bool] = True
+    # Blocks of a request's own outputs are published at its next allocation or release, not the step that fills
+    # them (KVCacheManager.defer_output_publish): half the cohort's KV events, no result changes (same tests).
+    defer_output_publish: ClassVar[bool] = True
 
     def __init__(self, params: VllmParams, dep: Deployment):
         seqs, batched = vllm_batch_defaults(dep)
@@ -107,6 +110,7 @@ class VllmEngine(PagedEngine):
                              f"{dep.model.max_model_len} tokens (vLLM refuses it without "
                              f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
         self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=p.enable_prefix_caching)
+        self.kv.defer_output_publish = self.defer_output_publish
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -364,7 +368,10 @@ class VllmEngine(PagedEngine):
                 if victim is None:  # every other request is in flight: wait for a batch to come back
                     blocked = True
                     break
-                self._preempt(victim, out)
+                unscheduled = self._preempt(victim, out)
+                if unscheduled:  # priority mode took one already scheduled before req: vLLM hands its tokens back
+                    budget += unscheduled
+                    i -= 1
                 if victim is req:
                     break
             if blocked:
@@ -386,10 +393,22 @@ class VllmEngine(PagedEngine):
             return max(idle, key=lambda r: (r.priority, r.arrival_s))
         return idle[-1]
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Preempt `req` by recompute; return the tokens it had been scheduled this step (priority mode can pick a
+        request scheduled earlier in the loop: vLLM unschedules it, v1/core/sched/scheduler.py `schedule`)."""
+        scheduled = 0
+        if self.priority:
+            for k, (r, n) in enumerate(out.scheduled):
+                if r is req:
+                    scheduled = n
+                    del out.scheduled[k]
+                    break
+        if self.kv.defer_output_publish:  # the blocks its scheduled tokens fill were cached when they were allocated
+            self.kv.publish_through(req, req.num_computed_tokens + scheduled)
         self.running.remove(req)
         self.drop_for_recompute(req, out)
         self._push_waiting(req, front=True)
+        return scheduled
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and self.num_waiting() and len(self.running) < self.max_num_seqs:

@@ -31,6 +31,10 @@ class KVCacheManager:
         self.req_hashed: dict[int, int] = {}     # blocks of the request already published to the cache
         self.query_tokens = 0                    # prefix-cache queries and hits, in tokens (vLLM metric)
         self.hit_tokens = 0
+        # Simulation speed, not an engine mechanism: a block holding one of a request's unique outputs (see
+        # Request.unique_outputs) is published at the request's next allocation or release instead of the step that
+        # fills it. Nothing can tell: no other request can look that block's hash up, publish it or own it before.
+        self.defer_output_publish = False
 
     @property
     def num_blocks(self) -> int:
@@ -145,7 +149,8 @@ class KVCacheManager:
                     self.pool.cache_blocks(blocks[hashed:last], hashes[hashed:last])
                 self.req_hashed[rid] = hashed = last
             next_full = (hashed + 1) * bs
-            if next_full <= num_tokens and next_full <= settled:
+            if next_full <= num_tokens and next_full <= settled and not (
+                    next_full > req.prompt_len and req.unique_outputs and self.defer_output_publish):
                 settled = next_full - 1  # stop short of filling the next block, which gets published
         req.kv_settled_tokens = settled
 
@@ -154,11 +159,19 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every block of the request (no-op if it holds none)."""
+        if self.defer_output_publish:
+            self.publish_through(req, req.num_computed_tokens)
         blocks = self.req_blocks.pop(req.request_id, None)
         self.req_hashed.pop(req.request_id, None)
         req.kv_settled_tokens = 0
         if blocks:
             self.pool.free(blocks)
+
+    def publish_through(self, req: Request, end: int) -> None:
+        """Publish the request's blocks that `end` tokens fill (those `defer_output_publish` left unpublished)."""
+        blocks = self.req_blocks.get(req.request_id)
+        if blocks and self.enable_prefix_caching:
+            self._settle(req, blocks, end)
 
     def free_tail(self, req: Request, keep_tokens: int) -> int:
         """Release the request's blocks beyond the first `keep_tokens` tokens; return blocks freed."""

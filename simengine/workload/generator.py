@@ -91,7 +91,7 @@ class RequestFactory:
                           and rng.uniform() < self.cfg.structured_output.fraction)
         return Request(self.new_id(), arrival_s, token_ids, len(prompt), output_len, max_tokens=max_tokens,
                        priority=klass.priority if klass else 0, slo_class=klass.name if klass else "",
-                       structured=structured, **kw)
+                       structured=structured, unique_outputs=True, **kw)  # fresh draws; a next turn comes after
 
     # ---- open loop ------------------------------------------------------------------------------------
     def open_loop(self, horizon_s: float, chunk: int = 4096) -> Iterator[Request]:

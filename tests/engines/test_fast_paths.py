@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 
 from simengine import api
 from simengine.config.loader import from_dict
-from simengine.config.scenario import Scenario
+from simengine.config.scenario import Scenario, load_scenario
 from simengine.engines import ENGINES
 from simengine.engines.base import EnginePolicy
 from simengine.engines.vllm import VllmEngine
 from simengine.errors import InputError
+from simengine.workload.config import RequestClass
 from tests.test_fuzz_invariants import build, scenarios
 
 
@@ -41,7 +42,8 @@ def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
 
 
 def _run(sc, lazy: bool) -> api.EngineResult:
-    with mock.patch.object(VllmEngine, "lazy_decode", lazy):
+    with mock.patch.object(VllmEngine, "lazy_decode", lazy), mock.patch.object(VllmEngine, "defer_output_publish",
+                                                                               lazy):
         return api.run_engine(sc, sc.engines[0])
 
 
@@ -91,6 +93,23 @@ def test_cohort_is_used_and_equal_on_a_busy_run():
     assert lazy.summary["preemptions"] > 0  # the fallback to the exact loop ran too
     carried = sum(k for k, _ in lazy_steps) / sum(d for _, d in lazy_steps)
     assert carried > 0.7, f"the cohort carried only {carried:.0%} of decodes"
+
+
+def test_cohort_is_equal_under_priority_preemption_and_multi_turn_hits():
+    """Priority scheduling preempts requests already scheduled in the step (whose filled blocks vLLM published
+    when it scheduled them), and later turns hit the blocks of earlier turns' outputs: both see the same cache
+    with the cohort and deferred output publishing as without."""
+    sc = _busy("vllm", 400, {"kv_cache_memory_bytes": 30000 * 131072, "scheduling_policy": "priority"})
+    classes = [{"name": "chat", "weight": 1.0, "priority": 0}, {"name": "batch", "weight": 2.0, "priority": 1}]
+    sc = dataclasses.replace(sc, workload=dataclasses.replace(
+        sc.workload, classes=[from_dict(RequestClass, c, source="test") for c in classes]))
+    eager = _run(sc, lazy=False)
+    _assert_same(_run(sc, lazy=True), eager)
+    assert eager.summary["preemptions"] > 0
+    agent = load_scenario("agent_multiturn", ["horizon_s=60", "drain_s=600", "engines=[vllm]"])
+    eager = _run(agent, lazy=False)
+    _assert_same(_run(agent, lazy=True), eager)
+    assert eager.summary["prefix_cache_hit_rate"] > 0.5
 
 
 def _assert_same(a: api.EngineResult, b: api.EngineResult) -> None:

@@ -172,3 +172,21 @@ def test_bad_params_are_input_errors():
 def test_model_that_does_not_fit_is_refused_with_numbers():
     with pytest.raises(InputError, match=r"does not fit on h100_sxm.*GiB.*tp=2"):
         VllmEngine(VllmParams(), make_dep(model="llama-3.1-70b"))
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_priority_preemption_of_a_request_scheduled_earlier_in_the_step_unschedules_it(defer, monkeypatch):
+    """Priority mode can preempt a request already scheduled in the step: vLLM takes it out of the step, hands its
+    tokens back to the budget and goes on with the request that needed the block (v1 scheduler `schedule`)."""
+    monkeypatch.setattr(VllmEngine, "defer_output_publish", defer)
+    eng = engine(block_size=4, kv_cache_memory_bytes=24 * 131072, scheduling_policy="priority")
+    assert eng.kv.num_blocks == 6
+    low = make_request(2, 10, priority=5, unique_outputs=True)   # fills its first block on its third step
+    eng.add_request(low, 0.0)
+    run_step(eng, 0.0)
+    high = make_request(20, 5, priority=0, unique_outputs=True)  # 5 full blocks: needs a 6th on its first decode
+    eng.add_request(high, 0.01)
+    run_step(eng, 0.01)
+    out, _ = run_step(eng, 0.02)
+    assert out.preempted == [low] and out.scheduled == [(high, 1)]  # scheduled first, then the victim: unscheduled
+    assert low.num_computed_tokens == 0 and eng.waiting_heap[0][3] is low

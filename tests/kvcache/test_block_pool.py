@@ -165,3 +165,24 @@ def test_pool_matches_the_plain_lru_model(compact_min_stale, ops):
         assert pool.free_blocks() == list(ref.lru)
         assert pool.cached == ref.cached
         pool.check_invariants()
+
+
+@given(prompt=st.integers(1, 40), outputs=st.integers(2, 40), stop=st.integers(0, 80))
+def test_deferred_output_blocks_are_published_by_the_next_allocation_or_release(prompt, outputs, stop):
+    """A decode that fills a block of the request's own outputs takes the no-work path when publishing is deferred;
+    the next allocation or publish_through publishes it, and the cache then equals the step-by-step one."""
+    managers = [KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True) for _ in range(2)]
+    managers[1].defer_output_publish = True
+    reqs = [make_request(prompt, outputs, request_id=1, unique_outputs=True) for _ in managers]
+    for kv, r in zip(managers, reqs):
+        assert kv.allocate_slots(r, prompt)
+        r.num_computed_tokens = prompt
+    for _ in range(min(stop, outputs - 1) - 1):  # decode steps: allocate for one token, compute it
+        for kv, r in zip(managers, reqs):
+            assert kv.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+        eager, deferred = (set(kv.pool.cached) for kv in managers)
+        assert deferred <= eager and len(eager - deferred) <= 1  # at most the block this step filled waits
+    for kv, r in zip(managers, reqs):
+        kv.publish_through(r, r.num_computed_tokens)
+    assert managers[0].pool.cached == managers[1].pool.cached
