@@ -84,12 +84,15 @@ class RequestFactory:
         cap = self.cfg.client_max_tokens
         return n_in, (min(n_out, cap) if cap else n_out), cap
 
-    def make(self, arrival_s: float, prompt: np.ndarray, output_len: int, max_tokens: int | None,
+    def make(self, arrival_s: float, head: np.ndarray, prompt_len: int, output_len: int, max_tokens: int | None,
              rng: np.random.Generator, klass: RequestClass | None, **kw) -> Request:
-        token_ids = np.concatenate([prompt, self.tokens(rng, output_len)])
+        """A request whose prompt is `head` and then fresh tokens up to `prompt_len`; its output is fresh too (one
+        draw from `rng` for both)."""
+        fresh = self.tokens(rng, prompt_len - len(head) + output_len)
+        token_ids = np.concatenate([head, fresh]) if len(head) else fresh
         structured = bool(self.cfg.structured_output.fraction
                           and rng.uniform() < self.cfg.structured_output.fraction)
-        return Request(self.new_id(), arrival_s, token_ids, len(prompt), output_len, max_tokens=max_tokens,
+        return Request(self.new_id(), arrival_s, token_ids, prompt_len, output_len, max_tokens=max_tokens,
                        priority=klass.priority if klass else 0, slo_class=klass.name if klass else "",
                        structured=structured, unique_outputs=True, **kw)  # fresh draws; a next turn comes after
 
@@ -123,12 +126,10 @@ class RequestFactory:
         n_in, n_out, cap = self.lengths(rng, klass)
         if self.documents:  # RAG: the question's length is input_tokens; the document comes on top
             doc = self.documents[int(rng.choice(len(self.documents), p=self._doc_p))]
-            prompt = np.concatenate([self.prefix, doc, self.tokens(self.rng_tokens, n_in)])
-        else:
-            own = max(1, n_in - len(self.prefix))
-            body = self.tokens(self.rng_tokens, own)
-            prompt = np.concatenate([self.prefix, body]) if len(self.prefix) else body
-        return self.make(now, prompt, n_out, cap, self.rng_tokens, klass)
+            head = np.concatenate([self.prefix, doc])
+            return self.make(now, head, len(head) + n_in, n_out, cap, self.rng_tokens, klass)
+        return self.make(now, self.prefix, len(self.prefix) + max(1, n_in - len(self.prefix)), n_out, cap,
+                         self.rng_tokens, klass)
 
     # ---- traces ---------------------------------------------------------------------------------------
     def _trace_requests(self, horizon_s: float) -> Iterator[Request]:
@@ -154,7 +155,7 @@ class RequestFactory:
             else:
                 prompt = self.tokens(rng, n_in)
             klass = self.pick_class(self.rng_lengths)
-            yield self.make(t, prompt, n_out, self.cfg.client_max_tokens, rng, klass)
+            yield self.make(t, prompt, len(prompt), n_out, self.cfg.client_max_tokens, rng, klass)
 
     # ---- sessions ---------------------------------------------------------------------------------------
     def session(self, index: int) -> SessionPlan:
@@ -178,7 +179,8 @@ class RequestFactory:
             prompt = np.concatenate([context, user])
             if s.context_overflow == "truncate":
                 prompt = self._truncate(prompt, n_out)
-        return self.make(now, prompt, n_out, cap, rng, plan.klass, session_id=plan.index, turn=plan.turn)
+        return self.make(now, prompt, len(prompt), n_out, cap, rng, plan.klass, session_id=plan.index,
+                         turn=plan.turn)
 
     def _truncate(self, prompt: np.ndarray, n_out: int) -> np.ndarray:
         """Drop the oldest conversation tokens after the shared prefix so prompt + output fit the context."""
