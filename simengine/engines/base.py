@@ -161,7 +161,8 @@ class EnginePolicy(ABC):
         stop); `reason` goes into fail_reason. Returns how many stopped."""
         stopped = 0
         for req, _ in out.scheduled:
-            if req.status is Status.RUNNING and req.num_output_tokens and req.num_tokens >= limit:
+            if req.prompt_len + req.num_output_tokens >= limit and req.num_output_tokens and \
+                    req.status is Status.RUNNING:
                 req.status, req.finish_s = Status.FINISHED, now
                 req.fail_reason = f"{reason} after {req.num_output_tokens} of {req.output_len} tokens"
                 res.finished.append(req)

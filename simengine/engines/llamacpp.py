@@ -183,7 +183,7 @@ class LlamaCppEngine(EnginePolicy):
         return len(self.queue)
 
     def kv_usage(self) -> float:
-        return sum(s.cells for s in self.slots) / self.n_ctx
+        return sum([s.cells for s in self.slots]) / self.n_ctx
 
     def kv_capacity_tokens(self) -> int:
         return self.n_ctx

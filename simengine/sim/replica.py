@@ -65,18 +65,40 @@ class Replica:
             c = cost.step(out.shape)
             start = env.now
             yield env.timeout(c.seconds)
-            self._complete(out, c, start)
-            for _ in range(engine.repeat_steps(out)):  # steps the engine proved identical: no schedule call
-                engine.advance_shape(out.shape)
-                c = cost.step(out.shape)
-                start = env.now
-                yield env.timeout(c.seconds)
-                self._complete(out, c, start)
+            self._complete(out, c, start, env.now)
+            repeats = engine.repeat_steps(out)
+            if repeats:  # steps the engine proved identical: no schedule call
+                yield from self._repeat(out, repeats)
         return False
 
-    def _complete(self, out: SchedulerOutput, c: StepCost, start: float) -> None:
-        """A step's batch came back: apply it to the engine, record the step, report finished requests."""
-        engine, now = self.engine, self.env.now
+    def _repeat(self, out: SchedulerOutput, steps: int):
+        """Run `steps` repeats of `out`. Those that end before the next event anywhere in the simulation (so nothing
+        can look at the engine meanwhile) are applied back to back under one timeout, at the times one timeout a
+        step would give; the others one timeout each."""
+        env, engine, cost = self.env, self.engine, self.cost
+        while steps:
+            start, t, next_event = env.now, env.now, env.peek()
+            late = None
+            while steps:
+                engine.advance_shape(out.shape)
+                c = cost.step(out.shape)
+                steps -= 1
+                end = t + c.seconds
+                if not (end < next_event and start + (end - start) == end):  # someone else acts first, or the
+                    late = c                                                  # clock cannot land on `end` exactly
+                    break
+                self._complete(out, c, t, end)
+                t = end
+            if t > start:
+                yield env.timeout(t - start)
+            if late is not None:
+                t = env.now
+                yield env.timeout(late.seconds)
+                self._complete(out, late, t, env.now)
+
+    def _complete(self, out: SchedulerOutput, c: StepCost, start: float, now: float) -> None:
+        """A step's batch came back at `now`: apply it to the engine, record the step, report finished requests."""
+        engine = self.engine
         res = engine.update(out, now)
         shape = out.shape
         self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
@@ -131,5 +153,5 @@ class PipelinedReplica(Replica):
                 yield hold
                 yield env.timeout(c.seconds / self.stages)
             yield env.timeout(c.seconds - c.seconds / self.stages)
-            self._complete(out, c, start)
+            self._complete(out, c, start, env.now)
             self._notify()
