@@ -228,22 +228,32 @@ class TrtllmEngine(PagedEngine):
     def _schedule_started(self, out: SchedulerOutput) -> _Budget:
         """Generation tokens first, then the next chunk of contexts already chunking (FCFS)."""
         budget = _Budget(self.max_num_tokens, self.max_batch_size)
-        for req in self.running:
-            if req.is_decoding:
-                if not budget.take(1):
-                    break
-                self._run(req, 1, out)
-        for req in self.running:
-            if not req.is_decoding:
-                n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
-                if n <= 0 or not budget.take(charge):
-                    break
-                self._note_produced(req, n)
-                self._run(req, n, out)
+        decoding, contexts = [], []
+        for r in self.running:  # Request.is_decoding, inline: this runs for every request every step
+            (decoding if r.num_output_tokens and r.prompt_len + r.num_output_tokens - r.num_computed_tokens == 1
+             else contexts).append(r)
+        fit = max(0, min(len(decoding), budget.slots, budget.tokens))  # take(1) for each until it fails
+        if fit < len(decoding):
+            del decoding[fit:]
+        budget.tokens -= fit
+        budget.slots -= fit
+        allocate = self.kv.allocate_slots
+        for req in decoding:  # within their reservation: blocks never short
+            if req.num_computed_tokens + 1 > req.kv_settled_tokens and not allocate(req, 1):
+                raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
+        out.scheduled += [(req, 1) for req in decoding]
+        for req in contexts:
+            n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
+            if n <= 0 or not budget.take(charge):
+                break
+            self._note_produced(req, n)
+            self._run(req, n, out)
         return budget
 
     def _schedule_pending(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
         """Admit context requests in arrival order while their reservation to completion and prompt fit."""
+        if not self.waiting:
+            return
         avail = self._available_blocks()
         keys = self._contributed_keys()
         i = 0
