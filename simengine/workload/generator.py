@@ -20,6 +20,7 @@ from simengine.workload.arrivals import arrival_times
 from simengine.workload.config import RequestClass, TraceConfig, WorkloadConfig
 
 STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_TOKENS, STREAM_PREFIX, STREAM_SESSIONS, STREAM_TRACE = range(6)
+HASH_BATCH = 512  # open-loop requests made and hashed together: the per-pass overhead is spread, memory stays small
 
 
 @dataclass
@@ -109,11 +110,13 @@ class RequestFactory:
             n = int(min(chunk, limit - made))
             times = arrival_times(cfg.arrival, self.rng_arrivals, n, t)
             within = n if times[-1] <= horizon_s else int(np.searchsorted(times, horizon_s, side="right"))
-            batch = [self.plain_request(a) for a in times[:within].tolist()]
-            hashing = HashBatch([req.token_ids for req in batch])  # the chunk is hashed in one pass on first need
-            for index, req in enumerate(batch):
-                req.hash_batch = (hashing, index)
-            yield from batch
+            arrivals = times[:within].tolist()
+            for lo in range(0, within, HASH_BATCH):  # made together, hashed in one pass on first need
+                group = [self.plain_request(a) for a in arrivals[lo:lo + HASH_BATCH]]
+                hashing = HashBatch([req.token_ids for req in group])
+                for index, req in enumerate(group):
+                    req.hash_batch = (hashing, index)
+                yield from group
             if within < n:
                 return
             made += n
