@@ -4,7 +4,8 @@ Running requests first in admission order, then waiting ones into the leftover t
 prefill chunks share one budget (chunked prefill always on); admission needs blocks for the whole prompt;
 recompute preemption of the last-admitted (or lowest-priority) request; full-block hashed prefix cache.
 
-Simulation speed (not a vLLM mechanism): steady decodes are kept as one lazy cohort, see `VllmEngine`.
+Simulation speed (not vLLM mechanisms): steady decodes are kept as one lazy cohort and blocks of a request's own
+outputs are published at its next allocation, see `VllmEngine`.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class VllmEngine(PagedEngine):
     # A steady decode (one token a step, no KV event and not its last token in sight) joins a cohort whose counters
     # advance lazily: a step walks only the other running requests and prices the cohort from two sums. When the
     # step's tokens or blocks might not fit (a cap could bind, an allocation could fail) the cohort is dissolved and
-    # the exact per-request loop runs. Same results either way (tests/engines/test_vllm_cohort.py); off with pp > 1.
+    # the exact per-request loop runs. Same results either way (tests/engines/test_fast_paths.py); off with pp > 1.
     lazy_decode: ClassVar[bool] = True
     # Blocks of a request's own outputs are published at its next allocation or release, not the step that fills
     # them (KVCacheManager.defer_output_publish): half the cohort's KV events, no result changes (same tests).
