@@ -123,7 +123,8 @@ class VllmEngine(PagedEngine):
         self.last_step_end_s = -1.0
         self.cohort: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1); engine_state = steps_done at joining
         self.cohort_context = 0            # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
-        self.cohort_events: list[tuple[int, int, Request]] = []  # (next KV event or last token step, order, req)
+        self.cohort_events: dict[int, list[tuple[int, Request]]] = {}  # step -> (order, req) of members whose
+        # blocks change or whose last token is due at that step (a calendar: every step's list is taken whole)
         self.others: list[tuple[int, Request]] = []  # (running order, req): running requests outside the cohort
         self.num_ordered = 0               # running-order numbers handed out
 
@@ -212,7 +213,7 @@ class VllmEngine(PagedEngine):
         dissolving the cohort when the exact loop must decide (a cap could bind or an allocation fail)."""
         step, cohort, events = self.steps_done, self.cohort, self.cohort_events
         others, prev = [], self.last_step_end_s
-        push, pop = heapq.heappush, heapq.heappop
+        at = events.get
         for entry in self.others:
             req = entry[1]
             if req.status is not Status.RUNNING:
@@ -225,15 +226,21 @@ class VllmEngine(PagedEngine):
                 self.cohort_context += req.prompt_len + out_tokens - step
                 kv_in = req.kv_settled_tokens - computed  # its first event: blocks change, or last token due
                 last_in = req.output_len - 1 - out_tokens
-                push(events, (step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step, entry[0], req))
+                when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
+                if (queued := at(when)) is None:
+                    events[when] = [(entry[0], req)]
+                else:
+                    queued.append((entry[0], req))
                 continue
             others.append(entry)
         # members whose event is this step, popped in running order: their blocks change, or their last token is due
         due: list[tuple[int, Request, int]] = []  # (running order, req, 1)
-        if events and events[0][0] <= step:
+        now_due = events.pop(step, None)
+        if now_due:
+            if len(now_due) > 1:
+                now_due.sort()  # running order
             leavers = False
-            while events and events[0][0] <= step:
-                _, order, req = pop(events)
+            for order, req in now_due:
                 steps = step - req.engine_state  # _materialise, inline
                 if steps:
                     req.num_computed_tokens += steps
@@ -290,7 +297,11 @@ class VllmEngine(PagedEngine):
             if req.engine_state is not None:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
                 kv_in = req.kv_settled_tokens - computed
                 last_in = req.output_len - 1 - req.num_output_tokens
-                push(events, (step + (kv_in if kv_in < last_in else last_in), order, req))
+                when = step + (kv_in if kv_in < last_in else last_in)
+                if (queued := at(when)) is None:
+                    events[when] = [(order, req)]
+                else:
+                    queued.append((order, req))
         return budget
 
     def _materialise(self, req: Request) -> None:
@@ -324,8 +335,8 @@ class VllmEngine(PagedEngine):
         others = [r for _, r in self.others if r.status is Status.RUNNING]
         assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in self.running), \
             "cohort and others are not the running set"
-        assert len(self.cohort_events) == len(members), "a member without its leave event"
-        assert all(step > self.steps_done - 1 for step, _, _ in self.cohort_events), "a member stayed past its event"
+        assert sum(map(len, self.cohort_events.values())) == len(members), "a member without its leave event"
+        assert all(step >= self.steps_done for step in self.cohort_events), "a member stayed past its event"
         assert all(r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens < r.output_len
                    for r in members), "a member that is not a steady decode"
         assert self.cohort_context + len(members) * self.steps_done == sum(r.num_tokens for r in members)
