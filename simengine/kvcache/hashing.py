@@ -8,9 +8,9 @@ in advance, so all its full blocks are hashed in one numpy pass the first time a
     chain_i   = sum_{j<=i} content_j * P**(i-j)       (mod 2**64), computed as P**i * cumsum(content_j * P**-j)
     hash_i    = mix(chain_i + block_size)             mix: the splitmix64 finaliser, so hashes are not linear
 
-Requests generated together (an open-loop chunk) share a `HashBatch`: the first one whose hashes are asked for
-hashes them all in one numpy pass (`hash_many`, the same values as one `hash_blocks` each), which costs a
-fraction of one pass per request.
+Requests generated together (open-loop requests, 512 at a time) share a `HashBatch`: the first one whose hashes
+are asked for hashes them all in one numpy pass (`hash_many`, the same values as one `hash_blocks` each), which
+costs a fraction of one pass per request.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ def hash_many(token_arrays: list[np.ndarray], block_size: int) -> list[list[int]
 
 
 class HashBatch:
-    """The token arrays of requests made together (an open-loop chunk): the first request whose hashes are asked
-    for hashes them all in one pass; each request then takes its own list (holding no reference back, so no
-    cycle keeps finished requests alive)."""
+    """The token arrays of requests made together (open-loop requests, HASH_BATCH at a time): the first whose
+    hashes are asked for hashes them all in one pass; each request then takes its own list (holding no reference
+    back, so no cycle keeps finished requests alive)."""
 
     __slots__ = ("token_arrays", "hashes", "block_size")
 
