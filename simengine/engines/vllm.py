@@ -213,7 +213,6 @@ class VllmEngine(PagedEngine):
         dissolving the cohort when the exact loop must decide (a cap could bind or an allocation fail)."""
         step, cohort, events = self.steps_done, self.cohort, self.cohort_events
         others, prev = [], self.last_step_end_s
-        at = events.get
         for entry in self.others:
             req = entry[1]
             if req.status is not Status.RUNNING:
@@ -227,10 +226,7 @@ class VllmEngine(PagedEngine):
                 kv_in = req.kv_settled_tokens - computed  # its first event: blocks change, or last token due
                 last_in = req.output_len - 1 - out_tokens
                 when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
-                if (queued := at(when)) is None:
-                    events[when] = [(entry[0], req)]
-                else:
-                    queued.append((entry[0], req))
+                events.setdefault(when, []).append((entry[0], req))
                 continue
             others.append(entry)
         # members whose event is this step, popped in running order: their blocks change, or their last token is due
@@ -297,11 +293,7 @@ class VllmEngine(PagedEngine):
             if req.engine_state is not None:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
                 kv_in = req.kv_settled_tokens - computed
                 last_in = req.output_len - 1 - req.num_output_tokens
-                when = step + (kv_in if kv_in < last_in else last_in)
-                if (queued := at(when)) is None:
-                    events[when] = [(order, req)]
-                else:
-                    queued.append((order, req))
+                events.setdefault(step + (kv_in if kv_in < last_in else last_in), []).append((order, req))
         return budget
 
     def _materialise(self, req: Request) -> None:
