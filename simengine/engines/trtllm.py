@@ -161,10 +161,7 @@ class TrtllmEngine(PagedEngine):
     def on_finished(self, finished: list[Request], now: float) -> None:
         if self.overlap:
             return  # held for the overlap step; update() releases them one step later
-        done = {id(r) for r in finished}
-        self.running = [r for r in self.running if id(r) not in done]
-        for req in finished:
-            self.kv.free(req)
+        super().on_finished(finished, now)
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
