@@ -83,7 +83,8 @@ class VllmEngine(PagedEngine):
     # the exact per-request loop runs. Same results either way (tests/engines/test_fast_paths.py); off with pp > 1.
     lazy_decode: ClassVar[bool] = True
     # Blocks of a request's own outputs are published at its next allocation or release, not the step that fills
-    # them (KVCacheManager.defer_output_publish): half the cohort's KV events, no result changes (same tests).
+    # them (KVCacheManager.defer_output_publish), so a member's only KV event is taking a block: the cohort counts
+    # those instead of handling them one by one (see phase_members). No result changes (same tests).
     defer_output_publish: ClassVar[bool] = True
 
     def __init__(self, params: VllmParams, dep: Deployment):
@@ -127,6 +128,14 @@ class VllmEngine(PagedEngine):
         # blocks change or whose last token is due at that step (a calendar: every step's list is taken whole)
         self.others: list[tuple[int, Request]] = []  # (running order, req): running requests outside the cohort
         self.num_ordered = 0               # running-order numbers handed out
+        # Counted members: those whose only KV event is taking a block when their tokens fill the last one (their
+        # own outputs' blocks are published at release: KVCacheManager.defer_output_publish, or caching is off).
+        # A member that takes a block at step s takes one every block_size steps, so the step's takers are the
+        # members of phase s % block_size. Their blocks leave the pool on that step, in running order, but go to
+        # `spare` and reach the member's table when it leaves the cohort (block ids are labels: nothing can tell).
+        self.phase_members: list[list[tuple[int, Request]]] = [[] for _ in range(p.block_size)]
+        self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
+        self.spare: list[int] = []          # blocks taken for counted members, not yet in their tables
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -213,6 +222,10 @@ class VllmEngine(PagedEngine):
         dissolving the cohort when the exact loop must decide (a cap could bind or an allocation fail)."""
         step, cohort, events = self.steps_done, self.cohort, self.cohort_events
         others, prev = [], self.last_step_end_s
+        kv = self.kv
+        bs = kv.block_size
+        phase_members, phase_of = self.phase_members, self.phase_of
+        uncached, defer = not kv.enable_prefix_caching, kv.defer_output_publish
         for entry in self.others:
             req = entry[1]
             if req.status is not Status.RUNNING:
@@ -223,10 +236,16 @@ class VllmEngine(PagedEngine):
                 cohort[req.request_id] = (req, 1)
                 req.engine_state = step
                 self.cohort_context += req.prompt_len + out_tokens - step
-                kv_in = req.kv_settled_tokens - computed  # its first event: blocks change, or last token due
-                last_in = req.output_len - 1 - out_tokens
-                when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
-                events.setdefault(when, []).append((entry[0], req))
+                kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
+                last_in = req.output_len - 1 - out_tokens  # steps to its last token
+                if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs):
+                    phase = (step + kv_in) % bs  # counted: its blocks fill at steps step + kv_in + k * bs
+                    phase_members[phase].append(entry)
+                    phase_of[req.request_id] = phase
+                    when = step + last_in
+                else:  # its first event: blocks change, or last token due
+                    when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
+                events.setdefault(when, []).append(entry)
                 continue
             others.append(entry)
         # members whose event is this step, popped in running order: their blocks change, or their last token is due
@@ -237,7 +256,7 @@ class VllmEngine(PagedEngine):
                 now_due.sort()  # running order
             leavers = False
             for order, req in now_due:
-                steps = step - req.engine_state  # _materialise, inline
+                steps = step - req.engine_state  # _materialise's counters, inline
                 if steps:
                     req.num_computed_tokens += steps
                     req.num_output_tokens += steps
@@ -247,8 +266,13 @@ class VllmEngine(PagedEngine):
                     due.append((order, req, 1))
                     continue
                 req.engine_state = None  # its last token: the exact rules finish it
-                del cohort[req.request_id]
+                rid = req.request_id
+                del cohort[rid]
                 self.cohort_context -= req.prompt_len + req.num_output_tokens - step
+                phase = phase_of.pop(rid, None)
+                if phase is not None:
+                    phase_members[phase].remove((order, req))
+                    self._claim(req)
                 others.append((order, req))
                 leavers = True
             if leavers:
@@ -258,8 +282,8 @@ class VllmEngine(PagedEngine):
         budget = self.max_num_batched_tokens - len(cohort)
         threshold = self.params.long_prefill_token_threshold
         alone = threshold and self._alone()
-        kv = self.kv
-        needed = len(due)  # a member needs at most one block
+        takers = phase_members[step % bs]  # counted members whose blocks fill: one new block each
+        needed = len(due) + len(takers)  # an evented member needs at most one block
         scheduled, allocating = [], []
         for order, req in others:
             computed = req.num_computed_tokens
@@ -271,7 +295,8 @@ class VllmEngine(PagedEngine):
                 needed += kv.blocks_needed(req, n)
                 allocating.append((order, req, n))
             scheduled.append((req, n))
-        free = kv.pool.num_free
+        pool = kv.pool
+        free = pool.num_free
         if needed > free and due:
             needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due) - len(due)
         if budget < 0 or needed > free:
@@ -279,13 +304,19 @@ class VllmEngine(PagedEngine):
             return None
         out.scheduled = [*cohort.values(), *scheduled]
         out.num_lazy = len(cohort)
-        if allocating:
+        if allocating or (due and takers):  # blocks leave the pool in running order
             allocating += due
-            allocating.sort()  # running order
+            allocating += [(order, req, 0) for order, req in takers]
+            allocating.sort()
         else:
             allocating = due
-        allocate, append = kv.allocate_slots, kv.append_slot
+            if takers:
+                self.spare += pool.allocate(len(takers))
+        allocate, append, spare = kv.allocate_slots, kv.append_slot, self.spare
         for order, req, n in allocating:
+            if not n:  # a counted member's block
+                spare.append(pool.allocate_one())
+                continue
             computed = req.num_computed_tokens
             if computed + n > req.kv_settled_tokens and not (append(req) if n == 1 else allocate(req, n)):
                 raise RuntimeError(f"vLLM cohort step: allocation for request {req.request_id} failed after the "
@@ -297,12 +328,24 @@ class VllmEngine(PagedEngine):
         return budget
 
     def _materialise(self, req: Request) -> None:
-        """Write a cohort member's counters as of now."""
+        """Write a cohort member's counters as of now, and put a counted member's blocks in its table."""
         steps = self.steps_done - req.engine_state
         if steps:
             req.num_computed_tokens += steps
             req.num_output_tokens += steps
             req.last_token_s = self.last_step_end_s
+        if req.request_id in self.phase_of:
+            self._claim(req)
+
+    def _claim(self, req: Request) -> None:
+        """A counted member's blocks taken since it joined (or last claimed), from `spare` into its table; its
+        counters are current."""
+        kv = self.kv
+        k = kv.blocks_for(req.num_computed_tokens) - kv.num_blocks_of(req)
+        if k:
+            spare = self.spare
+            kv.adopt(req, spare[-k:])
+            del spare[-k:]
 
     def _dissolve(self) -> None:
         """Every member back to exact per-request scheduling (a step the cohort cannot take as a whole)."""
@@ -312,6 +355,9 @@ class VllmEngine(PagedEngine):
         self.cohort.clear()
         self.cohort_events.clear()
         self.cohort_context = 0
+        self.phase_of.clear()
+        for members in self.phase_members:
+            members.clear()
 
     def sync(self) -> None:
         for req, _ in self.cohort.values():
@@ -328,6 +374,14 @@ class VllmEngine(PagedEngine):
         assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in self.running), \
             "cohort and others are not the running set"
         assert sum(map(len, self.cohort_events.values())) == len(members), "a member without its leave event"
+        assert not self.spare, "blocks taken for counted members and in no table"
+        counted = sorted(r.request_id for m in self.phase_members for _, r in m)
+        assert counted == sorted(self.phase_of), "phase lists and phase_of disagree"
+        bs = self.kv.block_size
+        for phase, m in enumerate(self.phase_members):
+            for _, r in m:
+                assert r.kv_settled_tokens == self.kv.num_blocks_of(r) * bs, "a counted member with an event"
+                assert (self.steps_done + r.kv_settled_tokens - r.num_computed_tokens) % bs == phase, "phase drift"
         assert all(step >= self.steps_done for step in self.cohort_events), "a member stayed past its event"
         assert all(r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens < r.output_len
                    for r in members), "a member that is not a steady decode"

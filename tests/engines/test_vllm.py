@@ -6,6 +6,7 @@ import pytest
 from simengine.core.request import Status
 from simengine.engines.vllm import VllmEngine, VllmParams, vllm_batch_defaults, vllm_capture_sizes
 from simengine.errors import InputError
+from simengine.kvcache.hashing import block_hashes
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import run_step
 
@@ -190,3 +191,32 @@ def test_priority_preemption_of_a_request_scheduled_earlier_in_the_step_unschedu
     out, _ = run_step(eng, 0.02)
     assert out.preempted == [low] and out.scheduled == [(high, 1)]  # scheduled first, then the victim: unscheduled
     assert low.num_computed_tokens == 0 and eng.waiting_heap[0][3] is low
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_blocks_leave_the_pool_in_running_order_even_for_cohort_members(lazy, monkeypatch):
+    """A block taken from the LRU front loses its cached hash, and a request publishing that same hash keeps it
+    only if the eviction came first: so the decode cohort must take its members' blocks in running order with the
+    other requests' allocations, as the per-request loop does. Here the earlier request X takes Z's freed block
+    holding hash h1 in the same step as the later Y publishes h1; W then finds h1 cached."""
+    monkeypatch.setattr(VllmEngine, "lazy_decode", lazy)
+    monkeypatch.setattr(VllmEngine, "defer_output_publish", lazy)
+    eng = engine(block_size=4, kv_cache_memory_bytes=16 * 131072, max_num_batched_tokens=14)
+    assert eng.kv.num_blocks == 4
+    prompt = np.arange(8, dtype=np.int32) + 7
+    x = make_request(4, 6, unique_outputs=True)              # a steady decode from step 1: a block on step 1
+    z = make_request(8, 1, tokens=prompt, unique_outputs=True)  # publishes h0, h1; finishes on step 0
+    y = make_request(8, 2, tokens=prompt, unique_outputs=True)  # hits h0; 2 of its other 4 tokens fit step 0
+    for r in (x, z, y):
+        eng.add_request(r, 0.0)
+    out, res = run_step(eng, 0.0)
+    assert [n for _, n in out.scheduled] == [4, 8, 2] and res.finished == [z]
+    free = eng.kv.pool.free_blocks()
+    h1 = block_hashes(y, 4)[1]
+    assert len(free) == 1 and eng.kv.pool.block_hash[free[0]] == h1  # Z's second block, the LRU front
+    out, _ = run_step(eng, 0.01)  # X takes that block (evicting h1), then Y fills its block 1: h1 again
+    assert [(r.request_id, n) for r, n in out.scheduled] == [(x.request_id, 1), (y.request_id, 2)]
+    assert (out.num_lazy == 1) == lazy
+    eng.sync()
+    w = make_request(12, 1, tokens=np.concatenate([prompt, np.arange(4, dtype=np.int32)]), unique_outputs=True)
+    assert eng.kv.get_computed_blocks(w).num_tokens == 8
