@@ -207,6 +207,8 @@ class VllmEngine(PagedEngine):
     # ---- the decode cohort ----------------------------------------------------------------------------
     def _order(self, reqs: list[Request], *, fresh: bool) -> None:
         """Number `reqs` in running order after every request numbered so far; `fresh` replaces the others."""
+        if not reqs and not fresh:
+            return
         start = self.num_ordered
         self.num_ordered += len(reqs)
         numbered = list(zip(range(start, self.num_ordered), reqs))

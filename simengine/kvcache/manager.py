@@ -129,12 +129,14 @@ class KVCacheManager:
         return True
 
     def adopt(self, req: Request, blocks: list[int]) -> None:
-        """Append blocks the pool already gave out (`BlockPool.allocate`, ref count 1, no hash) to the table of a
-        running request whose computed tokens they cover, and settle it. Which free block went to which request
-        changes nothing observable; when it was taken does (eviction order), so callers take them on time."""
+        """Append blocks the pool already gave out (`BlockPool.allocate`: ref count 1, no hash) to the table of a
+        running request whose computed tokens they cover, leaving them unpublished: only for a request whose full
+        blocks are published later anyway (caching off, or `defer_output_publish` with `Request.unique_outputs`).
+        Which free block went to which request changes nothing observable; when it was taken does (eviction order),
+        so callers take them on time."""
         held = self.req_blocks[req.request_id]
         held += blocks
-        self._settle(req, held, req.num_computed_tokens)
+        req.kv_settled_tokens = len(held) * self.block_size
 
     def _settle(self, req: Request, blocks: list[int], end: int) -> None:
         """After `req`'s blocks were sized for `end` computed tokens: publish the blocks those tokens fill and set
