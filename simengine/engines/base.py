@@ -99,12 +99,30 @@ class EnginePolicy(ABC):
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode
         token each, none finishing, no scheduling decision an arrival could change). The replica then prices and
-        applies them with `advance_shape` and `update` and skips `schedule`. 0 unless an engine proves more."""
+        applies them with `advance_shape` and `apply_repeats` and skips `schedule`. 0 unless an engine proves more."""
         return 0
 
     def advance_shape(self, shape: BatchShape) -> None:
         """The shape of a repeated decode step: every decode reads one more token of context."""
         shape.decode_context_tokens += shape.num_decode
+
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+        """Apply `len(ends)` repeats of `out` (proved by `repeat_steps`) ending at `ends`, as that many `update`
+        calls would, and return kv_usage() after each. Each repeat gives every scheduled request one token and
+        finishes none. This default makes the calls; an engine with a closed form for its state overrides it."""
+        usages = []
+        for end in ends:
+            self.update(out, end)
+            usages.append(self.kv_usage())
+        return usages
+
+    @staticmethod
+    def advance_decodes(out: SchedulerOutput, steps: int, last_end: float) -> None:
+        """`update`'s effect on the requests of `steps` repeated decode steps, the last ending at `last_end`."""
+        for req, _ in out.scheduled:
+            req.num_computed_tokens += steps
+            req.num_output_tokens += steps
+            req.last_token_s = last_end
 
     def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
         """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,

@@ -215,6 +215,12 @@ class LlamaCppEngine(EnginePolicy):
             out, res, now, self.n_ctx_slot, f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off")
         return res
 
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+        """Every slot gains a cell a repeat; nothing else changes (no slot stops: repeat_steps stays short of it)."""
+        used, busy = sum([s.cells for s in self.slots]), self.num_busy
+        self.advance_decodes(out, len(ends), ends[-1])
+        return [(used + busy * i) / self.n_ctx for i in range(1, len(ends) + 1)]
+
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """Every slot busy and decoding, the iteration one forward: until a slot finishes, stops at n_ctx_slot
         or the unified cells run short, each iteration is the same one-token-per-slot forward and no queued task

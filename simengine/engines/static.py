@@ -178,6 +178,16 @@ class StaticEngine(EnginePolicy):
     def advance_shape(self, shape: BatchShape) -> None:
         shape.decode_context_tokens += shape.padded_decode  # every row, padding included, reads one more token
 
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+        """update's counters over `len(ends)` lockstep steps, in closed form (no member finishes meanwhile)."""
+        m = len(ends)
+        self.advance_decodes(out, m, ends[-1])
+        self.reserved_token_steps += m * len(self.batch) * self.row_len
+        written, per_step = self.batch_written, sum(n for _, n in out.scheduled)
+        self.used_token_steps += m * written + per_step * m * (m + 1) // 2  # written after each step, summed
+        self.batch_written = written + m * per_step
+        return [self.kv_usage()] * m
+
     # ---- update -------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared token progress; finished members are held until the whole batch is done, then all return."""

@@ -60,6 +60,12 @@ class Recorder:
             self.itl_values.extend([now - prev for prev in itl_groups])
             self.itl_counts.extend(itl_groups.values())
 
+    def steps(self, rows: list[float], itl_values: list[float], itl_counts: list[int]) -> None:
+        """Several steps at once: `rows` flattened as in `step`, one inter-token gap group per entry."""
+        self.step_rows.extend(rows)
+        self.itl_values.extend(itl_values)
+        self.itl_counts.extend(itl_counts)
+
     @property
     def num_steps(self) -> int:
         return len(self.step_rows) // len(STEP_FIELDS)

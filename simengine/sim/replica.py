@@ -73,12 +73,14 @@ class Replica:
 
     def _repeat(self, out: SchedulerOutput, steps: int):
         """Run `steps` repeats of `out`. Those that end before the next event anywhere in the simulation (so nothing
-        can look at the engine meanwhile) are applied back to back under one timeout, at the times one timeout a
-        step would give; the others one timeout each."""
+        can look at the engine meanwhile) are applied together under one timeout, at the times one timeout a step
+        would give; the others one timeout each."""
         env, engine, cost = self.env, self.engine, self.cost
         while steps:
             start, t, next_event = env.now, env.now, env.peek()
             late = None
+            ends: list[float] = []
+            costs: list[StepCost] = []
             while steps:
                 engine.advance_shape(out.shape)
                 c = cost.step(out.shape)
@@ -87,14 +89,36 @@ class Replica:
                 if not (end < next_event and start + (end - start) == end):  # someone else acts first, or the
                     late = c                                                  # clock cannot land on `end` exactly
                     break
-                self._complete(out, c, t, end)
+                ends.append(end)
+                costs.append(c)
                 t = end
+            if ends:
+                self._complete_repeats(out, costs, start, ends)
             if t > start:
                 yield env.timeout(t - start)
             if late is not None:
                 t = env.now
                 yield env.timeout(late.seconds)
                 self._complete(out, late, t, env.now)
+
+    def _complete_repeats(self, out: SchedulerOutput, costs: list[StepCost], start: float, ends: list[float]) -> None:
+        """`_complete` for repeats of `out` ending at `ends`: the same step rows and inter-token gaps (each repeat's
+        decodes all sampled their previous token at the end of the step before)."""
+        engine = self.engine
+        usages = engine.apply_repeats(out, ends)
+        shape, n = out.shape, len(out.scheduled)
+        fixed = (shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
+        rows: list[float] = []
+        gaps: list[float] = []
+        prev = start
+        for end, c, usage in zip(ends, costs, usages):
+            rows += (self.index, prev, end, n, *fixed, usage, len(out.preempted), c.seconds, c.compute_s, c.memory_s,
+                     c.comm_s, c.overhead_s, shape.cuda_graph)
+            gaps.append(end - prev)
+            prev = end
+        self.recorder.steps(rows, gaps, [n] * len(ends))
+        if self.check:
+            engine.check_invariants()
 
     def _complete(self, out: SchedulerOutput, c: StepCost, start: float, now: float) -> None:
         """A step's batch came back at `now`: apply it to the engine, record the step, report finished requests."""

@@ -25,6 +25,7 @@ from simengine.engines import ENGINES
 from simengine.engines.base import EnginePolicy
 from simengine.engines.vllm import VllmEngine
 from simengine.errors import InputError
+from simengine.sim.runner import Runner
 from simengine.workload.config import RequestClass
 from tests.test_fuzz_invariants import build, scenarios
 
@@ -150,3 +151,15 @@ def test_repeated_steps_are_used_and_equal_on_a_busy_run():
             fast = api.run_engine(sc, sc.engines[0])
         _assert_same(fast, _run_without_repeats(sc, engine))
         assert len(calls) < 0.2 * len(fast.steps), f"{engine}: {len(calls)} schedule calls for {len(fast.steps)} steps"
+
+
+def test_repeats_leave_the_engine_counters_as_steps_do():
+    """`apply_repeats` in closed form (the static baseline's reserved and written KV token-steps) ends where the
+    step-by-step updates do."""
+    sc = _busy("static", 60, {})
+    fast = Runner(sc, sc.engines[0])
+    fast.run()
+    with mock.patch.object(ENGINES.get("static"), "repeat_steps", EnginePolicy.repeat_steps):
+        slow = Runner(sc, sc.engines[0])
+        slow.run()
+    assert fast.engines[0].kv_reserved_vs_used() == slow.engines[0].kv_reserved_vs_used()
