@@ -28,13 +28,13 @@ class Request:
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
-        "hash_batch", "unique_outputs",
+        "hash_batch", "unique_outputs", "private_from",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
                  output_len: int, *, max_tokens: int | None = None, priority: int = 0,
                  session_id: int = -1, turn: int = 0, slo_class: str = "", structured: bool = False,
-                 unique_outputs: bool = False):
+                 unique_outputs: bool = False, private_from: int | None = None):
         if output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {output_len}")
         if len(token_ids) < prompt_len + output_len - 1:
@@ -63,6 +63,9 @@ class Request:
         self.hash_batch = None        # (kvcache.hashing.HashBatch, index): hashed in one pass with its batch
         self.unique_outputs = unique_outputs  # its output tokens are its own (fresh random draws): no other request
                                               # holds a block containing one while it runs (a later turn may, after)
+        # tokens from this index on are in no other request, ever (fresh draws of a request without later turns):
+        # a block holding one can only be found by this request itself, after giving its blocks up unfinished
+        self.private_from = len(token_ids) if private_from is None else min(private_from, len(token_ids))
         self.fail_reason = ""
         self.engine_state = None      # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or

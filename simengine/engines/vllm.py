@@ -129,7 +129,8 @@ class VllmEngine(PagedEngine):
         self.others: list[tuple[int, Request]] = []  # (running order, req): running requests outside the cohort
         self.num_ordered = 0               # running-order numbers handed out
         # Counted members: those whose only KV event is taking a block when their tokens fill the last one (their
-        # own outputs' blocks are published at release: KVCacheManager.defer_output_publish, or caching is off).
+        # own outputs' blocks are published at release, KVCacheManager.defer_output_publish, or never, being
+        # private, Request.private_from; or caching is off).
         # A member that takes a block at step s takes one every block_size steps, so the step's takers are the
         # members of phase s % block_size. Their blocks leave the pool on that step, in running order, but go to
         # `spare` and reach the member's table when it leaves the cohort (block ids are labels: nothing can tell).
@@ -240,7 +241,7 @@ class VllmEngine(PagedEngine):
                 self.cohort_context += req.prompt_len + out_tokens - step
                 kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
                 last_in = req.output_len - 1 - out_tokens  # steps to its last token
-                if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs):
+                if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs or req.private_from <= computed):
                     phase = (step + kv_in) % bs  # counted: its blocks fill at steps step + kv_in + k * bs
                     phase_members[phase].append(entry)
                     phase_of[req.request_id] = phase

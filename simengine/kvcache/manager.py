@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simengine.core.request import Request
+from simengine.core.request import Request, Status
 from simengine.kvcache.block_pool import BlockPool
 from simengine.kvcache.hashing import block_hashes
 
@@ -29,12 +29,16 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[int, list[int]] = {}
         self.req_hashed: dict[int, int] = {}     # blocks of the request already published to the cache
+        self.req_end: dict[int, int] = {}        # a request with private tokens: the end of its last allocation
         self.query_tokens = 0                    # prefix-cache queries and hits, in tokens (vLLM metric)
         self.hit_tokens = 0
         # Simulation speed, not an engine mechanism: a block holding one of a request's unique outputs (see
         # Request.unique_outputs) is published at the request's next allocation or release instead of the step that
         # fills it. Nothing can tell: no other request can look that block's hash up, publish it or own it before.
         self.defer_output_publish = False
+        # Likewise, always on: a block holding a private token (Request.private_from: in no other request, ever) is
+        # neither hashed nor published, since only its own request could find it, and only after giving its blocks
+        # up unfinished (a preemption, free_tail, transfer): then they are published as they would have been.
 
     @property
     def num_blocks(self) -> int:
@@ -50,7 +54,11 @@ class KVCacheManager:
         """Longest cached prefix of full blocks, capped so at least one prompt token is recomputed."""
         if not self.enable_prefix_caching:
             return NO_HIT
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        self.query_tokens += req.num_tokens
+        last = req.num_tokens - 1
+        max_blocks = (last if last < req.private_from else req.private_from) // self.block_size  # no one else's
+        if not max_blocks:  # private blocks are unpublished, and cannot be anyone else's
+            return NO_HIT
         hashes = block_hashes(req, self.block_size)
         blocks = []
         lookup = self.pool.lookup
@@ -60,7 +68,6 @@ class KVCacheManager:
                 break
             blocks.append(b)
         hit = PrefixHit(blocks, len(blocks) * self.block_size)
-        self.query_tokens += req.num_tokens
         self.hit_tokens += hit.num_tokens
         return hit
 
@@ -146,8 +153,10 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             rid = req.request_id
             hashed = self.req_hashed.get(rid, 0)
-            num_tokens = len(req.token_ids)
-            full = (end if end < num_tokens else num_tokens) // bs
+            limit = req.private_from  # blocks with a private token stay unpublished (see free)
+            if limit < len(req.token_ids):
+                self.req_end[rid] = end
+            full = (end if end < limit else limit) // bs
             if full > hashed:  # publish the newly full blocks
                 last = full if full < len(blocks) else len(blocks)
                 hashes = req.block_hashes
@@ -159,7 +168,7 @@ class KVCacheManager:
                     self.pool.cache_blocks(blocks[hashed:last], hashes[hashed:last])
                 self.req_hashed[rid] = hashed = last
             next_full = (hashed + 1) * bs
-            if next_full <= num_tokens and next_full <= settled and not (
+            if next_full <= limit and next_full <= settled and not (
                     next_full > req.prompt_len and req.unique_outputs and self.defer_output_publish):
                 settled = next_full - 1  # stop short of filling the next block, which gets published
         req.kv_settled_tokens = settled
@@ -169,13 +178,24 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every block of the request (no-op if it holds none)."""
-        if self.defer_output_publish:
+        if req.private_from < len(req.token_ids):
+            if req.status is not Status.FINISHED:  # it may come back and look its own blocks up
+                self._unprivate(req)
+        elif self.defer_output_publish:
             self.publish_through(req, req.num_computed_tokens)
+        self.req_end.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
         self.req_hashed.pop(req.request_id, None)
         req.kv_settled_tokens = 0
         if blocks:
             self.pool.free(blocks)
+
+    def _unprivate(self, req: Request) -> None:
+        """From now on every block of `req` is published like any other: first those a manager without private
+        blocks would have published by now (full through its last allocation or its computed tokens)."""
+        req.private_from = len(req.token_ids)
+        end = self.req_end.pop(req.request_id, 0)
+        self.publish_through(req, end if end > req.num_computed_tokens else req.num_computed_tokens)
 
     def publish_through(self, req: Request, end: int) -> None:
         """Publish the request's blocks that `end` tokens fill (those `defer_output_publish` left unpublished)."""
@@ -186,6 +206,8 @@ class KVCacheManager:
     def free_tail(self, req: Request, keep_tokens: int) -> int:
         """Release the request's blocks beyond the first `keep_tokens` tokens; return blocks freed."""
         blocks = self.req_blocks.get(req.request_id)
+        if req.private_from < len(req.token_ids):  # it keeps running and may look its freed blocks up again
+            self._unprivate(req)
         req.kv_settled_tokens = 0
         if not blocks:
             return 0
@@ -198,6 +220,8 @@ class KVCacheManager:
 
     def transfer(self, src: Request, dst: Request) -> None:
         """Hand `src`'s block table (and its published-block count) to `dst`, which holds none."""
+        if src.private_from < len(src.token_ids):  # its blocks live on in another request
+            self._unprivate(src)
         blocks = self.req_blocks.pop(src.request_id, None)
         if blocks:
             self.req_blocks[dst.request_id] = blocks

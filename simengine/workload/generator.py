@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -37,6 +38,11 @@ class SessionPlan:
 
 class RequestFactory:
     """Builds Requests with deterministic token content from the scenario seed."""
+
+    # Simulation speed, not workload: mark the fresh draws of requests without a next turn private, so the paged KV
+    # manager never hashes or publishes blocks nobody else can look up. Same results either way
+    # (tests/engines/test_fast_paths.py).
+    mark_private: ClassVar[bool] = True
 
     def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int, max_model_len: int):
         self.cfg = cfg
@@ -86,16 +92,18 @@ class RequestFactory:
         return n_in, (min(n_out, cap) if cap else n_out), cap
 
     def make(self, arrival_s: float, head: np.ndarray, prompt_len: int, output_len: int, max_tokens: int | None,
-             rng: np.random.Generator, klass: RequestClass | None, **kw) -> Request:
+             rng: np.random.Generator, klass: RequestClass | None, *, private: bool, **kw) -> Request:
         """A request whose prompt is `head` and then fresh tokens up to `prompt_len`; its output is fresh too (one
-        draw from `rng` for both)."""
+        draw from `rng` for both). `private`: no later request will contain its fresh tokens (it has no next turn),
+        so they are marked private (Request.private_from) when `mark_private` is on."""
         fresh = self.tokens(rng, prompt_len - len(head) + output_len)
         token_ids = np.concatenate([head, fresh]) if len(head) else fresh
         structured = bool(self.cfg.structured_output.fraction
                           and rng.uniform() < self.cfg.structured_output.fraction)
         return Request(self.new_id(), arrival_s, token_ids, prompt_len, output_len, max_tokens=max_tokens,
                        priority=klass.priority if klass else 0, slo_class=klass.name if klass else "",
-                       structured=structured, unique_outputs=True, **kw)  # fresh draws; a next turn comes after
+                       structured=structured, unique_outputs=True,  # fresh draws; a next turn comes after
+                       private_from=len(head) if private and self.mark_private else None, **kw)
 
     # ---- open loop ------------------------------------------------------------------------------------
     def open_loop(self, horizon_s: float, chunk: int = 4096) -> Iterator[Request]:
@@ -130,9 +138,9 @@ class RequestFactory:
         if self.documents:  # RAG: the question's length is input_tokens; the document comes on top
             doc = self.documents[int(rng.choice(len(self.documents), p=self._doc_p))]
             head = np.concatenate([self.prefix, doc])
-            return self.make(now, head, len(head) + n_in, n_out, cap, self.rng_tokens, klass)
+            return self.make(now, head, len(head) + n_in, n_out, cap, self.rng_tokens, klass, private=True)
         return self.make(now, self.prefix, len(self.prefix) + max(1, n_in - len(self.prefix)), n_out, cap,
-                         self.rng_tokens, klass)
+                         self.rng_tokens, klass, private=True)
 
     # ---- traces ---------------------------------------------------------------------------------------
     def _trace_requests(self, horizon_s: float) -> Iterator[Request]:
@@ -158,7 +166,7 @@ class RequestFactory:
             else:
                 prompt = self.tokens(rng, n_in)
             klass = self.pick_class(self.rng_lengths)
-            yield self.make(t, prompt, len(prompt), n_out, self.cfg.client_max_tokens, rng, klass)
+            yield self.make(t, prompt, len(prompt), n_out, self.cfg.client_max_tokens, rng, klass, private=True)
 
     # ---- sessions ---------------------------------------------------------------------------------------
     def session(self, index: int) -> SessionPlan:
@@ -182,8 +190,8 @@ class RequestFactory:
             prompt = np.concatenate([context, user])
             if s.context_overflow == "truncate":
                 prompt = self._truncate(prompt, n_out)
-        return self.make(now, prompt, len(prompt), n_out, cap, rng, plan.klass, session_id=plan.index,
-                         turn=plan.turn)
+        return self.make(now, prompt, len(prompt), n_out, cap, rng, plan.klass, private=False,
+                         session_id=plan.index, turn=plan.turn)
 
     def _truncate(self, prompt: np.ndarray, n_out: int) -> np.ndarray:
         """Drop the oldest conversation tokens after the shared prefix so prompt + output fit the context."""

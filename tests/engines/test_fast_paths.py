@@ -5,6 +5,8 @@
   `VllmEngine.lazy_decode` off (every request walked every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`, llama.cpp and the static baseline): random scenarios run with the
   engine's proof of repeated steps and with none (every step scheduled).
+* Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
+  on the paged KV manager runs random scenarios with the fresh draws marked private and not.
 The request rows, the step rows and the inter-token gaps must be equal.
 """
 
@@ -27,7 +29,8 @@ from simengine.engines.vllm import VllmEngine
 from simengine.errors import InputError
 from simengine.sim.runner import Runner
 from simengine.workload.config import RequestClass
-from tests.test_fuzz_invariants import build, scenarios
+from simengine.workload.generator import RequestFactory
+from tests.test_fuzz_invariants import build, kv_params, scenarios
 
 
 def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
@@ -163,3 +166,42 @@ def test_repeats_leave_the_engine_counters_as_steps_do():
         slow = Runner(sc, sc.engines[0])
         slow.run()
     assert fast.engines[0].kv_reserved_vs_used() == slow.engines[0].kv_reserved_vs_used()
+
+
+# engines with a prefix cache on the paged KV manager, turned on (LMDeploy's is off by default); the others never
+# publish a block, so private tokens change nothing for them by construction
+PAGED_CACHING = {"vllm": {}, "trtllm": {}, "lmdeploy": {"enable_prefix_caching": True}, "mlc": {}}
+
+
+def _run_marking(sc, private: bool) -> api.EngineResult:
+    with mock.patch.object(RequestFactory, "mark_private", private):
+        return api.run_engine(sc, sc.engines[0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=st.sampled_from(sorted(PAGED_CACHING)), data=st.data())
+def test_private_tokens_change_no_result(engine, data):
+    engine, scenario, kv_tokens, caps = data.draw(scenarios(engine=engine))
+    try:
+        sc = build(engine, scenario, kv_tokens, caps)
+        entry = sc.engines[0]
+        sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params={**entry.params,
+                                                                                 **PAGED_CACHING[engine]})])
+        shared = _run_marking(sc, private=False)
+    except InputError:
+        return
+    _assert_same(_run_marking(sc, private=True), shared)
+
+
+def test_private_tokens_change_no_result_under_preemption_and_shared_prefixes():
+    """Overloaded paged engines with a shared system prompt: requests are preempted (and look their own blocks up
+    again when they come back) and hit each other's prefix; the figures are the same with private tokens."""
+    preempted = 0
+    for engine, params in PAGED_CACHING.items():
+        sc = _busy(engine, 150, {})
+        sc = _busy(engine, 150, {**params, **kv_params(engine, 9000, sc)})
+        shared = _run_marking(sc, private=False)
+        _assert_same(_run_marking(sc, private=True), shared)
+        assert shared.summary["prefix_cache_hit_rate"] > 0.1, engine
+        preempted += shared.summary["preemptions"] > 0
+    assert preempted >= 2  # vLLM and LMDeploy preempt here

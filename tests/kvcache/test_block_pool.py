@@ -186,3 +186,40 @@ def test_deferred_output_blocks_are_published_by_the_next_allocation_or_release(
     for kv, r in zip(managers, reqs):
         kv.publish_through(r, r.num_computed_tokens)
     assert managers[0].pool.cached == managers[1].pool.cached
+
+
+def _twins(**kw):
+    """The same request in two managers: all its tokens shared in the first, all private in the second."""
+    managers = [KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True) for _ in range(2)]
+    reqs = [make_request(16, 4, request_id=1, seed=3, private_from=p, **kw) for p in (None, 0)]
+    return managers, reqs
+
+
+def test_private_blocks_released_unfinished_are_published_through_the_last_allocation():
+    """Preempted in the step that allocated for its prompt (nothing computed yet): a manager without private
+    blocks had published them at allocation, so the request's own lookup on its return hits them; so it must with
+    private blocks, which are published at that release."""
+    managers, reqs = _twins()
+    for kv, r in zip(managers, reqs):
+        assert kv.allocate_slots(r, 16)
+        kv.free(r)  # still RUNNING: a preemption
+    assert [kv.get_computed_blocks(r).num_tokens for kv, r in zip(managers, reqs)] == [12, 12]
+
+
+def test_private_blocks_freed_from_the_tail_are_published_first():
+    """free_tail (LMDeploy's partial eviction) keeps the request running: its freed tail keeps the hashes a manager
+    without private blocks gave it, so a recomputed tail does not re-publish them, and the old blocks' eviction
+    decides what the request finds on its return."""
+    managers, reqs = _twins()
+    for kv, r in zip(managers, reqs):
+        assert kv.allocate_slots(r, 16)
+        r.num_computed_tokens = 16
+        kv.free_tail(r, 4)              # blocks 1-3 back to the free queue, behind the 4 never used
+        r.num_computed_tokens = 4
+        assert kv.allocate_slots(r, 12)  # the tail again, in 3 never-used blocks
+        r.num_computed_tokens = 16
+        other = make_request(12, 1, request_id=2, seed=4)
+        assert kv.allocate_slots(other, 12)  # the last never-used block, then old blocks 3 and 2: evicted
+        kv.free(r)
+        r.num_computed_tokens = 0
+    assert [kv.get_computed_blocks(r).num_tokens for kv, r in zip(managers, reqs)] == [8, 8]
