@@ -133,6 +133,7 @@ class LlamaCppEngine(EnginePolicy):
         self.queue: deque[Request] = deque()
         self.plan: deque[list[tuple[Request, int]]] = deque()   # the current iteration's remaining forwards
         self.ram: list[np.ndarray] = []                          # host prompt cache, oldest first
+        self.ram_heads: list[int] = []  # each entry's first token: only an entry sharing it can share a prefix
         state_bytes = dep.model.kv_bytes_per_token(dep.kv_elem_bytes)
         self.ram_limit = (0 if p.cache_ram == 0 else float("inf") if p.cache_ram < 0
                           else p.cache_ram * MIB / state_bytes)   # in tokens
@@ -383,15 +384,19 @@ class LlamaCppEngine(EnginePolicy):
         """alloc(): skip a state already contained in an entry, drop entries the new state contains."""
         if not len(tokens):
             return
-        keep = []
-        for e in self.ram:
-            lcp = common_prefix(e, tokens)
-            if lcp == len(tokens):
-                return
-            if lcp < len(e):
-                keep.append(e)
-        keep.append(tokens)
-        self.ram = keep
+        head = int(tokens[0])
+        if head in self.ram_heads:  # else no entry shares a token with it: none contains it or is contained
+            keep = []
+            for e in self.ram:
+                lcp = common_prefix(e, tokens)
+                if lcp == len(tokens):
+                    return
+                if lcp < len(e):
+                    keep.append(e)
+            self.ram = keep
+            self.ram_heads = [int(e[0]) for e in keep]
+        self.ram.append(tokens)
+        self.ram_heads.append(head)
 
     def _ram_load(self, slot: _Slot, prompt: np.ndarray) -> None:
         """load(): the entry beating the slot on both kept fraction and similarity (>= 25% kept) moves in."""
@@ -399,7 +404,7 @@ class LlamaCppEngine(EnginePolicy):
         f_keep = lcp / len(slot.cache) if len(slot.cache) else -1.0
         sim = lcp / len(prompt)
         best = None
-        for i, e in enumerate(self.ram):
+        for i, e in enumerate(self.ram if int(prompt[0]) in self.ram_heads else ()):  # others share nothing
             lcp = common_prefix(e, prompt)
             fk, fs = lcp / len(e), lcp / len(prompt)
             if fk >= 0.25 and f_keep < fk and sim < fs:
@@ -411,7 +416,7 @@ class LlamaCppEngine(EnginePolicy):
         if len(entry) > room:
             slot.cache = EMPTY  # state restore failed: prompt_clear(); the entry stays cached
             return
-        del self.ram[best]
+        del self.ram[best], self.ram_heads[best]
         slot.cache = entry
         self.ram_restored_tokens += len(entry)
 
@@ -420,6 +425,7 @@ class LlamaCppEngine(EnginePolicy):
         total = sum(len(e) for e in self.ram)
         while len(self.ram) > 1 and total > self.ram_limit:
             total -= len(self.ram.pop(0))
+            self.ram_heads.pop(0)
 
     def check_invariants(self) -> None:
         cells = [s.cells for s in self.slots]
@@ -427,5 +433,6 @@ class LlamaCppEngine(EnginePolicy):
         assert all(c <= self.n_ctx_slot for c in cells), "a slot holds more than n_ctx_slot cells"
         assert self.num_busy == sum(1 for s in self.slots if s.req is not None) <= self.n_parallel
         assert all(n <= self.n_ubatch for piece in self.plan for _, n in piece)
+        assert self.ram_heads == [int(e[0]) for e in self.ram], "RAM cache heads out of step"
         if len(self.ram) > 1:
             assert sum(len(e) for e in self.ram) <= self.ram_limit, "RAM prompt cache over --cache-ram"
