@@ -1,6 +1,11 @@
 """The roofline cost model checked by hand for Llama-3.1-8B on H100."""
 
+import dataclasses
+
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.core.batch import BatchShape
@@ -108,3 +113,27 @@ def test_expert_parallel_swaps_moe_allreduce_for_all_to_all():
     a2a = hw.link_latency_s + 64 * 2 * 4096 * 2 * 3 / 4 / hw.link_bandwidth_bytes_s
     assert c_tp.comm_s == pytest.approx(64 * ar)
     assert c_ep.comm_s == pytest.approx(32 * ar + 64 * a2a)
+
+
+@settings(max_examples=200, deadline=None)
+@given(model=st.sampled_from(["llama-3.1-8b", "gpt-oss-20b", "mixtral-8x7b", "qwen2.5-7b"]),
+       hardware=st.sampled_from(["h100_sxm", "l4", "mi300x"]), tp=st.sampled_from([1, 2, 4]),
+       pp=st.sampled_from([1, 1, 2]), overlap=st.booleans(), graph=st.booleans(),
+       num_decode=st.integers(1, 300), pad=st.integers(0, 8), structured=st.integers(0, 3),
+       context=st.integers(0, 2_000_000), growth=st.integers(1, 300), repeats=st.integers(1, 40),
+       host_s=st.sampled_from([1e-4, 2e-3, 5e-2]))
+def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(model, hardware, tp, pp, overlap, graph, num_decode,
+                                                                 pad, structured, context, growth, repeats, host_s):
+    """The repeated-step pricing (one numpy pass) gives step()'s floats exactly, for dense, MoE and sliding-window
+    models, with communication, graphs, eager launches and overlapped or synchronous host time."""
+    timing = EngineTiming(scheduler_cpu_s=host_s, output_cpu_s=4e-4, overlap=overlap, kernel_launch_s=5e-6,
+                          seq_cpu_s=2e-6)
+    c = RooflineCost(*(lambda d: (d.model, d.hardware))(make_dep(hardware, model, tp=tp, pp=pp)),
+                     weight_format=WEIGHT_FORMATS["bf16"], kv_elem_bytes=2.0, tp=tp, pp=pp, timing=timing,
+                     grammar_mask_s=3e-5)
+    shape = BatchShape(num_decode=num_decode, decode_context_tokens=context, num_logits=num_decode,
+                       padded_decode=num_decode + pad, cuda_graph=graph, num_structured=min(structured, num_decode))
+    contexts = context + growth * np.arange(1, repeats + 1)
+    rows = c.decode_steps(shape, contexts)
+    for ctx, row in zip(contexts.tolist(), rows.tolist()):
+        assert tuple(row) == tuple(c.step(dataclasses.replace(shape, decode_context_tokens=ctx)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
 from simengine.config.hardware import Hardware
 from simengine.config.model import ModelSpec
@@ -71,6 +73,11 @@ class RooflineCost:
         self.allreduce_call_s = hw.link_latency_s + 2 * (tp - 1) * timing.allreduce_hop_latency_s
         self.allreduce_link_bytes_s = hw.link_bandwidth_bytes_s * timing.allreduce_bandwidth_fraction
         self.layers_latency_s = m.num_layers * timing.layer_latency_s
+        # per-step constants of `step`, summed in its order
+        self.step_weight_bytes = self.dense_weight_bytes + self.lm_head_bytes  # read once a step, MoE experts apart
+        self.host_cpu_s = timing.scheduler_cpu_s + timing.output_cpu_s
+        self.any_comm = bool(self.num_allreduce or self.num_all_to_all or pp > 1)
+        self.moe = bool(m.num_experts)
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing)."""
@@ -81,37 +88,87 @@ class RooflineCost:
 
     def step(self, shape: BatchShape) -> StepCost:
         """Price one forward pass."""
-        m = self.model
         # attention: prefill chunks are compute-heavy, decodes read every cached token's KV
         prefill = 0
+        chunks = shape.prefill_chunks
         pairs = kv_tokens_read = float(shape.decode_context_tokens)
-        for c, k in shape.prefill_chunks:
+        for c, k in chunks:
             prefill += c
             pairs += c * (k + c / 2.0)
             kv_tokens_read += k + c
         num_decode = shape.num_decode
         tokens = prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode)
         # linear layers + LM head: weights read once per step; FLOPs per token
-        weight_bytes = self.dense_weight_bytes + self.lm_head_bytes
-        if m.num_experts:
-            weight_bytes += m.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
-        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / self.bytes_s
+        weight_bytes = self.step_weight_bytes
+        if self.moe:
+            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        bytes_s = self.bytes_s
+        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / bytes_s
         lin_cmp = (tokens * self.active_linear_flops_per_token
                    + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
         attn_bytes = kv_tokens_read * self.kv_bytes_layer * self.full_layers
         attn_flops = pairs * self.attn_flops_per_pair * self.full_layers
         if self.sliding_layers:
             w = self.window
-            mean_ctx = shape.decode_context_tokens / max(shape.num_decode, 1)
-            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in shape.prefill_chunks)
-            sl_pairs += shape.num_decode * min(w, mean_ctx)
-            sl_read = sum(min(k + c, w) for c, k in shape.prefill_chunks) + shape.num_decode * min(w, mean_ctx)
+            mean_ctx = shape.decode_context_tokens / max(num_decode, 1)
+            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in chunks)
+            sl_pairs += num_decode * min(w, mean_ctx)
+            sl_read = sum(min(k + c, w) for c, k in chunks) + num_decode * min(w, mean_ctx)
             attn_flops += sl_pairs * self.attn_flops_per_pair * self.sliding_layers
             attn_bytes += sl_read * self.kv_bytes_layer * self.sliding_layers
         att_cmp = attn_flops / self.attn_flops_s
-        att_mem = attn_bytes / self.bytes_s
+        att_mem = attn_bytes / bytes_s
         compute_s = (lin_cmp if lin_cmp >= lin_mem else 0.0) + (att_cmp if att_cmp >= att_mem else 0.0)
         memory_s = (lin_mem if lin_mem > lin_cmp else 0.0) + (att_mem if att_mem > att_cmp else 0.0)
+        comm_s = self._comm_s(tokens) if self.any_comm else 0.0
+        t = self.timing
+        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
+        # CUDA graph: one replay launch; eager: the host enqueues kernels ahead of the GPU, the longer one wins
+        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else max(gpu_s, self.launch_s)
+        # host work (EngineTiming.exposed_host_s): all of it for a synchronous loop, the excess over the GPU when
+        # overlapped; per sequence and per grammar-masked token on top of the fixed part
+        cpu = self.host_cpu_s + (t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s)
+        seconds = gpu_total + ((cpu - gpu_total if cpu > gpu_total else 0.0) if t.overlap else cpu)
+        return StepCost(seconds, compute_s, memory_s, comm_s, seconds - compute_s - memory_s - comm_s)
+
+    def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
+        """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
+        decode step), in one numpy pass: one row (seconds, compute_s, memory_s, comm_s, overhead_s) per context, bit
+        for bit `step`'s (the same operations in the same order; tests/test_cost_roofline.py)."""
+        if shape.prefill_chunks:
+            raise ValueError("decode_steps prices decode-only shapes")
+        num_decode = shape.num_decode
+        tokens = shape.padded_decode if shape.padded_decode > num_decode else num_decode
+        weight_bytes = self.step_weight_bytes
+        if self.moe:
+            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        bytes_s = self.bytes_s
+        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / bytes_s
+        lin_cmp = (tokens * self.active_linear_flops_per_token
+                   + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
+        ctx = contexts.astype(np.float64)
+        attn_bytes = ctx * self.kv_bytes_layer * self.full_layers
+        attn_flops = ctx * self.attn_flops_per_pair * self.full_layers
+        if self.sliding_layers:
+            read = num_decode * np.minimum(self.window, contexts / max(num_decode, 1))
+            attn_flops += read * self.attn_flops_per_pair * self.sliding_layers
+            attn_bytes += read * self.kv_bytes_layer * self.sliding_layers
+        att_cmp = attn_flops / self.attn_flops_s
+        att_mem = attn_bytes / bytes_s
+        out = np.empty((len(contexts), 5))
+        compute_s = out[:, 1] = (lin_cmp if lin_cmp >= lin_mem else 0.0) + np.where(att_cmp >= att_mem, att_cmp, 0.0)
+        memory_s = out[:, 2] = (lin_mem if lin_mem > lin_cmp else 0.0) + np.where(att_mem > att_cmp, att_mem, 0.0)
+        comm_s = out[:, 3] = self._comm_s(tokens) if self.any_comm else 0.0
+        t = self.timing
+        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
+        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else np.maximum(gpu_s, self.launch_s)
+        cpu = self.host_cpu_s + (t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s)
+        seconds = out[:, 0] = gpu_total + (np.where(cpu > gpu_total, cpu - gpu_total, 0.0) if t.overlap else cpu)
+        out[:, 4] = seconds - compute_s - memory_s - comm_s
+        return out
+
+    def _comm_s(self, tokens: int) -> float:
+        """Communication of one step: tensor-parallel all-reduces, expert-parallel all-to-alls, pipeline sends."""
         comm_s = 0.0
         if self.num_allreduce:
             comm_s = self.num_allreduce * (self.allreduce_call_s + self.ring_factor * tokens
@@ -122,11 +179,4 @@ class RooflineCost:
         if self.pp > 1:
             comm_s += (self.pp - 1) * (self.hw.link_latency_s
                                        + tokens * self.allreduce_bytes_per_token / self.hw.link_bandwidth_bytes_s)
-        t = self.timing
-        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
-        # CUDA graph: one replay launch; eager: the host enqueues kernels ahead of the GPU, the longer one wins
-        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else max(gpu_s, self.launch_s)
-        host_extra_s = (t.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
-                        + shape.num_structured * self.grammar_mask_s)
-        seconds = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
-        return StepCost(seconds, compute_s, memory_s, comm_s, seconds - compute_s - memory_s - comm_s)
+        return comm_s

@@ -17,6 +17,7 @@ so `TableCost.step(shape)` is a drop-in replacement for `RooflineCost.step(shape
 from __future__ import annotations
 
 import csv
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +115,15 @@ class TableCost:
         layer += c["attn_prefill"](pairs) + c["attn_decode"](shape.decode_context_tokens)
         head = c["lm_head"](shape.num_logits) if "lm_head" in c else 0.0
         return layer * self.model.num_layers + head
+
+    def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
+        """`step` at each decode context, one call each (RooflineCost.decode_steps' rows)."""
+        repeat = dataclasses.replace(shape)
+        rows = []
+        for ctx in contexts.tolist():
+            repeat.decode_context_tokens = ctx
+            rows.append(self.step(repeat))
+        return np.array(rows, dtype=np.float64).reshape(len(rows), 5)
 
     def step(self, shape: BatchShape) -> StepCost:
         """Measured compute + the roofline's communication, launches, graph replay and exposed host time."""

@@ -98,13 +98,13 @@ class EnginePolicy(ABC):
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode
-        token each, none finishing, no scheduling decision an arrival could change). The replica then prices and
-        applies them with `advance_shape` and `apply_repeats` and skips `schedule`. 0 unless an engine proves more."""
+        token each, none finishing, no scheduling decision an arrival could change). The replica then prices them
+        (`context_growth`), applies them with `apply_repeats` and skips `schedule`. 0 unless an engine proves more."""
         return 0
 
-    def advance_shape(self, shape: BatchShape) -> None:
-        """The shape of a repeated decode step: every decode reads one more token of context."""
-        shape.decode_context_tokens += shape.num_decode
+    def context_growth(self, shape: BatchShape) -> int:
+        """Context tokens a repeat of this decode step reads more than the step before: one per decode."""
+        return shape.num_decode
 
     def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
         """Apply `len(ends)` repeats of `out` (proved by `repeat_steps`) ending at `ends`, as that many `update`

@@ -175,8 +175,8 @@ class StaticEngine(EnginePolicy):
             return 0
         return max(0, min(r.output_len - 1 - r.num_output_tokens for r, _ in out.scheduled))
 
-    def advance_shape(self, shape: BatchShape) -> None:
-        shape.decode_context_tokens += shape.padded_decode  # every row, padding included, reads one more token
+    def context_growth(self, shape: BatchShape) -> int:
+        return shape.padded_decode  # every row, padding included, reads one more token
 
     def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
         """update's counters over `len(ends)` lockstep steps, in closed form (no member finishes meanwhile)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from simengine.core.request import Request, Status
 
 # (name, array typecode or "" for a Python list of strings)
@@ -60,11 +62,12 @@ class Recorder:
             self.itl_values.extend([now - prev for prev in itl_groups])
             self.itl_counts.extend(itl_groups.values())
 
-    def steps(self, rows: list[float], itl_values: list[float], itl_counts: list[int]) -> None:
-        """Several steps at once: `rows` flattened as in `step`, one inter-token gap group per entry."""
-        self.step_rows.extend(rows)
-        self.itl_values.extend(itl_values)
-        self.itl_counts.extend(itl_counts)
+    def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
+        """Several steps at once: one row of STEP_FIELDS each (float64), one inter-token gap group each (float64
+        values, int64 counts)."""
+        self.step_rows.frombytes(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
+        self.itl_values.frombytes(np.ascontiguousarray(itl_values, dtype=np.float64).tobytes())
+        self.itl_counts.frombytes(np.ascontiguousarray(itl_counts, dtype=np.int64).tobytes())
 
     @property
     def num_steps(self) -> int:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import simpy
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.roofline import RooflineCost, StepCost
 from simengine.engines.base import EnginePolicy
-from simengine.metrics.recorder import Recorder
+from simengine.metrics.recorder import STEP_FIELDS, Recorder
+
+REPEAT_WINDOW = 512  # repeats priced per landing check: bounds the work when a long run is cut short often
 
 
 class Replica:
@@ -72,51 +75,51 @@ class Replica:
         return False
 
     def _repeat(self, out: SchedulerOutput, steps: int):
-        """Run `steps` repeats of `out`. Those that end before the next event anywhere in the simulation (so nothing
-        can look at the engine meanwhile) are applied together under one timeout, at the times one timeout a step
-        would give; the others one timeout each."""
-        env, engine, cost = self.env, self.engine, self.cost
-        while steps:
-            start, t, next_event = env.now, env.now, env.peek()
-            late = None
-            ends: list[float] = []
-            costs: list[StepCost] = []
-            while steps:
-                engine.advance_shape(out.shape)
-                c = cost.step(out.shape)
-                steps -= 1
-                end = t + c.seconds
-                if not (end < next_event and start + (end - start) == end):  # someone else acts first, or the
-                    late = c                                                  # clock cannot land on `end` exactly
-                    break
-                ends.append(end)
-                costs.append(c)
-                t = end
-            if ends:
-                self._complete_repeats(out, costs, start, ends)
-            if t > start:
-                yield env.timeout(t - start)
-            if late is not None:
-                t = env.now
-                yield env.timeout(late.seconds)
-                self._complete(out, late, t, env.now)
+        """Run `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
+        simulation (so nothing can look at the engine meanwhile) are applied together under one timeout, at the
+        times one timeout a step would give; the others one timeout each."""
+        env, shape = self.env, out.shape
+        ctx = shape.decode_context_tokens
+        growth = self.engine.context_growth(shape)
+        costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
+        shape.decode_context_tokens = ctx + growth * steps
+        seconds = costs[:, 0]
+        i = 0
+        while i < steps:
+            start, next_event = env.now, env.peek()
+            window = seconds[i:i + REPEAT_WINDOW]
+            ends = np.cumsum(np.concatenate(([start], window)))[1:]  # one addition a step, in order, as timeouts add
+            fits = (ends < next_event) & (start + (ends - start) == ends)  # before anyone else acts; lands exactly
+            k = len(window) if fits.all() else int(fits.argmin())
+            if k:
+                self._complete_repeats(out, costs[i:i + k], start, ends[:k])
+                yield env.timeout(float(ends[k - 1]) - start)
+                i += k
+                if k == len(window):
+                    continue
+            start = env.now  # the next repeat: someone else acts first, or the clock cannot land on its end
+            yield env.timeout(float(seconds[i]))
+            self._complete(out, StepCost(*costs[i].tolist()), start, env.now)
+            i += 1
 
-    def _complete_repeats(self, out: SchedulerOutput, costs: list[StepCost], start: float, ends: list[float]) -> None:
-        """`_complete` for repeats of `out` ending at `ends`: the same step rows and inter-token gaps (each repeat's
-        decodes all sampled their previous token at the end of the step before)."""
+    def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
+        """`_complete` for repeats of `out` ending at `ends` (their StepCost fields as rows of `costs`): the same step
+        rows and inter-token gaps (each repeat's decodes all sampled their previous token at the step before's end)."""
         engine = self.engine
-        usages = engine.apply_repeats(out, ends)
+        k = len(ends)
+        usages = engine.apply_repeats(out, ends.tolist())
         shape, n = out.shape, len(out.scheduled)
-        fixed = (shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
-        rows: list[float] = []
-        gaps: list[float] = []
-        prev = start
-        for end, c, usage in zip(ends, costs, usages):
-            rows += (self.index, prev, end, n, *fixed, usage, len(out.preempted), c.seconds, c.compute_s, c.memory_s,
-                     c.comm_s, c.overhead_s, shape.cuda_graph)
-            gaps.append(end - prev)
-            prev = end
-        self.recorder.steps(rows, gaps, [n] * len(ends))
+        rows = np.empty((k, len(STEP_FIELDS)))  # _complete's row, column by column
+        rows[:, 0] = self.index
+        rows[0, 1] = start
+        rows[1:, 1] = ends[:-1]
+        rows[:, 2] = ends
+        rows[:, 3:8] = (n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
+        rows[:, 8] = usages
+        rows[:, 9] = len(out.preempted)
+        rows[:, 10:15] = costs
+        rows[:, 15] = shape.cuda_graph
+        self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
         if self.check:
             engine.check_invariants()
 

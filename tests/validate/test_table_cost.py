@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from simengine.core.batch import BatchShape
@@ -51,6 +52,9 @@ def test_step_sums_layers_head_and_the_rooflines_comm_and_overheads(tmp_path):
     assert c.seconds == pytest.approx(max(expect, cost.roofline.launch_s) + 1.5e-3)
     big = cost.step(BatchShape(prefill_chunks=[(4096, 0)], num_logits=1))
     assert big.seconds > c.seconds
+    repeats = cost.decode_steps(shape, np.array([4004, 4008]))  # the repeated-step pricing: step per context
+    assert [tuple(r) for r in repeats.tolist()] == [tuple(cost.step(BatchShape(
+        num_decode=4, decode_context_tokens=ctx, num_logits=4, padded_decode=4))) for ctx in (4004, 4008)]
 
 
 def test_bad_profiles_are_input_errors(tmp_path):
