@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
@@ -21,6 +22,8 @@ from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.manager import KVCacheManager
+
+ARRIVAL_ORDER = attrgetter("arrival_s", "request_id")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +93,7 @@ class SarathiEngine(PagedEngine):
         # Invariant: prefill tokens + decodes <= max(chunk_size, decodes); decodes are never delayed by a
         # prefill; len(running) <= max_num_seqs; preemption frees blocks only for decodes.
         out = SchedulerOutput()
-        pending = deque(sorted(self.running, key=lambda r: (r.arrival_s, r.request_id)))  # fcfs sort_by_priority
+        pending = deque(sorted(self.running, key=ARRIVAL_ORDER))  # fcfs sort_by_priority
         kept, prefills, used = self._schedule_decodes(out, pending)
         used = self._schedule_prefills(out, prefills, used)
         self.running = kept + prefills
@@ -103,12 +106,14 @@ class SarathiEngine(PagedEngine):
         kept: list[Request] = []
         prefills: list[Request] = []
         used = 0
+        allocate = self.kv.allocate_slots
         while pending:
             req = pending.popleft()
-            if not req.is_decoding:
+            produced, computed = req.num_output_tokens, req.num_computed_tokens
+            if not produced or req.prompt_len + produced - computed != 1:  # Request.is_decoding, inline
                 prefills.append(req)  # a chunked prefill (or recompute) in progress: its blocks are held
                 continue
-            while not self.kv.allocate_slots(req, 1):
+            while computed >= req.kv_settled_tokens and not allocate(req, 1):  # held blocks take it, or allocate
                 victim = pending.pop() if pending else req
                 self._preempt(victim, out)
                 if victim is req:
