@@ -5,15 +5,14 @@ reverse, so the end of a prefix chain is evicted before its head. A taken block 
 drops it then (lazy eviction). A cached block with ref count 0 can be touched back out of the queue by a prefix
 hit.
 
-The queue is a deque of block ids in LRU order. A touch leaves the block's entry behind as a stale one (counted
+The queue is a list of block ids in LRU order from `head` on (taking n blocks is one slice; the taken prefix is
+dropped once it is most of the list). A touch leaves the block's entry behind as a stale one (counted
 in `stale`, skipped when reached) instead of removing it from the middle: a block's stale entries always precede
 its live one, because an entry is appended only when the block is freed. The queue is compacted when stale
 entries pile up.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
@@ -32,7 +31,8 @@ class BlockPool:
         self.ref_cnt: list[int] = [0] * num_blocks       # a list: Python-level indexing is ~5x a numpy array's
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                  # block hash -> block id
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.free_queue: list[int] = list(range(num_blocks))  # entries before `head` were taken
+        self.head = 0
         self.num_free = num_blocks
         self.stale: dict[int, int] = {}                   # block id -> its stale entries in free_queue
 
@@ -47,7 +47,7 @@ class BlockPool:
         """The free blocks in LRU order (eviction order), without the stale entries."""
         pending = dict(self.stale)
         out = []
-        for b in self.free_queue:
+        for b in self.free_queue[self.head:]:
             if b in pending:
                 if pending[b] == 1:
                     del pending[b]
@@ -62,20 +62,27 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def _take(self, n: int) -> list[int]:
-        """Pop n live entries from the queue front (the caller checked num_free >= n and counted them)."""
-        popleft = self.free_queue.popleft
+        """Take n live entries from the queue front (the caller checked num_free >= n and counted them)."""
+        queue, head = self.free_queue, self.head
         if not self.stale:
-            return [popleft() for _ in range(n)]
-        stale, out = self.stale, []
-        while len(out) < n:
-            b = popleft()
-            left = stale.get(b)
-            if left is None:
-                out.append(b)
-            elif left == 1:
-                del stale[b]
-            else:
-                stale[b] = left - 1
+            out = queue[head:head + n]
+            head += n
+        else:
+            stale, out = self.stale, []
+            while len(out) < n:
+                b = queue[head]
+                head += 1
+                left = stale.get(b)
+                if left is None:
+                    out.append(b)
+                elif left == 1:
+                    del stale[b]
+                else:
+                    stale[b] = left - 1
+        if head > 4096 and head > len(queue) >> 1:  # drop the taken prefix: amortised O(1) an entry
+            del queue[:head]
+            head = 0
+        self.head = head
         return out
 
     def allocate(self, n: int) -> list[int]:
@@ -85,6 +92,10 @@ class BlockPool:
         self.num_free -= n
         out = self._take(n)
         ref_cnt, block_hash, cached = self.ref_cnt, self.block_hash, self.cached
+        if not cached:  # no block holds a hash (nothing published, or only private blocks): nothing to evict
+            for b in out:
+                ref_cnt[b] = 1
+            return out
         for b in out:
             ref_cnt[b] = 1
             h = block_hash[b]
@@ -98,7 +109,7 @@ class BlockPool:
         if not self.num_free:
             raise RuntimeError("allocate(1) with no free block")
         self.num_free -= 1
-        b = self._take(1)[0] if self.stale else self.free_queue.popleft()
+        b = self._take(1)[0]
         self.ref_cnt[b] = 1
         h = self.block_hash[b]
         if h is not None:
@@ -114,8 +125,8 @@ class BlockPool:
                 stale[b] = stale.get(b, 0) + 1
                 self.num_free -= 1
             ref_cnt[b] += 1
-        if len(self.free_queue) - self.num_free > max(self.compact_min_stale, self.num_free):  # amortised O(1)
-            self.free_queue = deque(self.free_blocks())
+        if len(self.free_queue) - self.head - self.num_free > max(self.compact_min_stale, self.num_free):  # amortised
+            self.free_queue, self.head = self.free_blocks(), 0
             stale.clear()
 
     def free(self, blocks: list[int]) -> None:
