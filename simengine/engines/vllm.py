@@ -137,6 +137,7 @@ class VllmEngine(PagedEngine):
         self.phase_members: list[list[tuple[int, Request]]] = [[] for _ in range(p.block_size)]
         self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
         self.spare: list[int] = []          # blocks taken for counted members, not yet in their tables
+        self.cohort_in_flight = 0           # 1 between a step that carried the cohort and its update
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -188,6 +189,7 @@ class VllmEngine(PagedEngine):
             self._order(self.running if exact else self.running[num_running:], fresh=exact)
             out.shape = self.make_shape(out.scheduled, out.num_lazy,
                                         self.cohort_context + out.num_lazy * self.steps_done)
+            self.cohort_in_flight = 1 if out.num_lazy else 0  # until update: members hold this step's blocks
         else:
             out.shape = self.make_shape(out.scheduled)
         if self.dep.pp > 1:
@@ -203,6 +205,7 @@ class VllmEngine(PagedEngine):
             itl[prev] = itl.get(prev, 0) + out.num_lazy
         self.last_step_end_s = now
         self.steps_done += 1
+        self.cohort_in_flight = 0
         return res
 
     # ---- the decode cohort ----------------------------------------------------------------------------
@@ -342,9 +345,9 @@ class VllmEngine(PagedEngine):
 
     def _claim(self, req: Request) -> None:
         """A counted member's blocks taken since it joined (or last claimed), from `spare` into its table; its
-        counters are current."""
+        counters are current (and with a step in flight, its blocks also hold the token that step computes)."""
         kv = self.kv
-        k = kv.blocks_for(req.num_computed_tokens) - kv.num_blocks_of(req)
+        k = kv.blocks_for(req.num_computed_tokens + self.cohort_in_flight) - kv.num_blocks_of(req)
         if k:
             spare = self.spare
             kv.adopt(req, spare[-k:])
