@@ -98,14 +98,8 @@ class RooflineCost:
             kv_tokens_read += k + c
         num_decode = shape.num_decode
         tokens = prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode)
-        # linear layers + LM head: weights read once per step; FLOPs per token
-        weight_bytes = self.step_weight_bytes
-        if self.moe:
-            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        lin_mem, lin_cmp = self._linear_s(tokens, shape.num_logits)
         bytes_s = self.bytes_s
-        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / bytes_s
-        lin_cmp = (tokens * self.active_linear_flops_per_token
-                   + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
         attn_bytes = kv_tokens_read * self.kv_bytes_layer * self.full_layers
         attn_flops = pairs * self.attn_flops_per_pair * self.full_layers
         if self.sliding_layers:
@@ -139,13 +133,8 @@ class RooflineCost:
             raise ValueError("decode_steps prices decode-only shapes")
         num_decode = shape.num_decode
         tokens = shape.padded_decode if shape.padded_decode > num_decode else num_decode
-        weight_bytes = self.step_weight_bytes
-        if self.moe:
-            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        lin_mem, lin_cmp = self._linear_s(tokens, shape.num_logits)
         bytes_s = self.bytes_s
-        lin_mem = (weight_bytes + tokens * self.act_bytes_per_token) / bytes_s
-        lin_cmp = (tokens * self.active_linear_flops_per_token
-                   + shape.num_logits * self.lm_head_flops_per_token) / self.linear_flops_s
         ctx = contexts.astype(np.float64)
         attn_bytes = ctx * self.kv_bytes_layer * self.full_layers
         attn_flops = ctx * self.attn_flops_per_pair * self.full_layers
@@ -166,6 +155,16 @@ class RooflineCost:
         seconds = out[:, 0] = gpu_total + (np.where(cpu > gpu_total, cpu - gpu_total, 0.0) if t.overlap else cpu)
         out[:, 4] = seconds - compute_s - memory_s - comm_s
         return out
+
+    def _linear_s(self, tokens: int, num_logits: int) -> tuple[float, float]:
+        """Linear layers and LM head of one step, (memory-bound s, compute-bound s): the weights are read once a step
+        (MoE: the experts `tokens` tokens touch), the FLOPs are per token."""
+        weight_bytes = self.step_weight_bytes
+        if self.moe:
+            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        return ((weight_bytes + tokens * self.act_bytes_per_token) / self.bytes_s,
+                (tokens * self.active_linear_flops_per_token + num_logits * self.lm_head_flops_per_token)
+                / self.linear_flops_s)
 
     def _comm_s(self, tokens: int) -> float:
         """Communication of one step: tensor-parallel all-reduces, expert-parallel all-to-alls, pipeline sends."""
