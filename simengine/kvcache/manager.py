@@ -138,7 +138,8 @@ class KVCacheManager:
     def adopt(self, req: Request, blocks: list[int]) -> None:
         """Append blocks the pool already gave out (`BlockPool.allocate`: ref count 1, no hash) to the table of a
         running request whose computed tokens they cover, leaving them unpublished: only for a request whose full
-        blocks are published later anyway (caching off, or `defer_output_publish` with `Request.unique_outputs`).
+        blocks are published later or never (caching off, `defer_output_publish` with `Request.unique_outputs`, or
+        private tokens in them).
         Which free block went to which request changes nothing observable; when it was taken does (eviction order),
         so callers take them on time."""
         held = self.req_blocks[req.request_id]
