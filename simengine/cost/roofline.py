@@ -75,7 +75,6 @@ class RooflineCost:
         self.layers_latency_s = m.num_layers * timing.layer_latency_s
         # per-step constants of `step`, summed in its order
         self.step_weight_bytes = self.dense_weight_bytes + self.lm_head_bytes  # read once a step, MoE experts apart
-        self.host_cpu_s = timing.scheduler_cpu_s + timing.output_cpu_s
         self.any_comm = bool(self.num_allreduce or self.num_all_to_all or pp > 1)
         self.moe = bool(m.num_experts)
 
@@ -119,10 +118,8 @@ class RooflineCost:
         gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
         # CUDA graph: one replay launch; eager: the host enqueues kernels ahead of the GPU, the longer one wins
         gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else max(gpu_s, self.launch_s)
-        # host work (EngineTiming.exposed_host_s): all of it for a synchronous loop, the excess over the GPU when
-        # overlapped; per sequence and per grammar-masked token on top of the fixed part
-        cpu = self.host_cpu_s + (t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s)
-        seconds = gpu_total + ((cpu - gpu_total if cpu > gpu_total else 0.0) if t.overlap else cpu)
+        host_extra_s = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
+        seconds = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
         return StepCost(seconds, compute_s, memory_s, comm_s, seconds - compute_s - memory_s - comm_s)
 
     def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
@@ -151,8 +148,8 @@ class RooflineCost:
         t = self.timing
         gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
         gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else np.maximum(gpu_s, self.launch_s)
-        cpu = self.host_cpu_s + (t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s)
-        seconds = out[:, 0] = gpu_total + (np.where(cpu > gpu_total, cpu - gpu_total, 0.0) if t.overlap else cpu)
+        host_extra_s = t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s
+        seconds = out[:, 0] = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
         out[:, 4] = seconds - compute_s - memory_s - comm_s
         return out
 

@@ -42,7 +42,10 @@ class EngineTiming:
         """Host time added to the step: all of it for a synchronous loop, only the excess when overlapped.
         `extra_cpu_s` is per-step host work such as grammar masks (overlapped with the forward the same way)."""
         cpu = self.scheduler_cpu_s + self.output_cpu_s + extra_cpu_s
-        return max(0.0, cpu - gpu_s) if self.overlap else cpu
+        if not self.overlap:
+            return cpu
+        excess = cpu - gpu_s
+        return excess * (excess > 0.0)  # max(0, excess), elementwise too (RooflineCost.decode_steps)
 
 
 _SET_CACHE: dict[tuple[int, ...], frozenset[int]] = {}
