@@ -205,3 +205,13 @@ def test_private_tokens_change_no_result_under_preemption_and_shared_prefixes():
         assert shared.summary["prefix_cache_hit_rate"] > 0.1, engine
         preempted += shared.summary["preemptions"] > 0
     assert preempted >= 2  # vLLM and LMDeploy preempt here
+
+
+def test_the_default_apply_repeats_agrees_with_the_closed_forms():
+    """`EnginePolicy.apply_repeats` (one `update` a repeat, for engines without a closed form) and llama.cpp's and
+    static's closed forms give the same figures."""
+    for engine in ("llamacpp", "static"):
+        sc = _busy(engine, 60, {})
+        closed = api.run_engine(sc, sc.engines[0])
+        with mock.patch.object(ENGINES.get(engine), "apply_repeats", EnginePolicy.apply_repeats):
+            _assert_same(api.run_engine(sc, sc.engines[0]), closed)
