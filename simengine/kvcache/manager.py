@@ -199,7 +199,8 @@ class KVCacheManager:
         self.publish_through(req, end if end > req.num_computed_tokens else req.num_computed_tokens)
 
     def publish_through(self, req: Request, end: int) -> None:
-        """Publish the request's blocks that `end` tokens fill (those `defer_output_publish` left unpublished)."""
+        """Publish the request's blocks that `end` tokens fill and are not private (those `defer_output_publish` left
+        unpublished, or all of them once `_unprivate` made the request ordinary)."""
         blocks = self.req_blocks.get(req.request_id)
         if blocks and self.enable_prefix_caching:
             self._settle(req, blocks, end)
