@@ -1,4 +1,5 @@
-"""What the benchmark tool behind a measurement configured, when the notes name the tool.
+"""What the benchmark tool behind a measurement configured, when the notes name the tool, and the engine flags
+the notes quote (`--max_model_len 4096`, `--disable-radix-cache`, `--mem-frac 0.88`).
 
 A published number is the engine *as the benchmark ran it*. Two tools set engine knobs of their own:
 - `trtllm-bench throughput` (PyTorch backend) sizes max_batch_size and max_num_tokens from the dataset's mean
@@ -11,7 +12,10 @@ A published number is the engine *as the benchmark ran it*. Two tools set engine
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+import typing
 
 from simengine.config.dtypes import kv_bytes, weight_format
 from simengine.config.hardware import load_hardware
@@ -57,10 +61,56 @@ def trtllm_bench_params(row: Measurement) -> dict:
             "cuda_graph_max_batch_size": bs, "cuda_graph_enable_padding": True}
 
 
+_FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()]*|[^\s;()-][^\s;()]*))?")
+# the benchmark client's own flags (vllm bench serve, sglang.bench_serving), not engine knobs
+CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
+                          "tokenizer", "disable-log-requests", "disable-log-stats", "ignore-eos", "model", "port",
+                          "host", "tensor", "tp", "tensor-parallel-size", "dtype"})
+# argparse accepts unambiguous prefixes; the abbreviations sources print, as the engine's full argument name
+FLAG_ALIASES = {"mem_frac": "mem_fraction_static"}
+# machine-readable notes items that are engine knobs (README 'Machine-readable notes'; vLLM names) -> field name
+NOTE_KNOBS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
+              "gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",
+              "kv_block_size": "block_size"}
+
+
+def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
+    """Engine knobs quoted as command-line flags in the notes that are fields of the engine's params (real knob
+    names, dashes as underscores), converted to the field's type; and the flags that are not (reported)."""
+    from simengine.engines import ENGINES
+
+    cls = ENGINES.get(engine).Params
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    params: dict = {}
+    ignored: list[str] = []
+    items = [(NOTE_KNOBS[k], v.split()[0]) for k, v in row.note_items.items() if k in NOTE_KNOBS]
+    for name, value in _FLAG.findall(row.notes) + items:
+        if name in CLIENT_FLAGS:
+            continue
+        key = FLAG_ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
+        if key not in fields:
+            ignored.append(f"--{name}")
+            continue
+        base = [a for a in typing.get_args(hints[key]) if a is not type(None)] or [hints[key]]
+        kind = base[0] if isinstance(base[0], type) else str
+        if kind is bool:
+            params[key] = value.lower() not in ("0", "false", "no") if value and not value.startswith("-") else True
+        else:
+            try:
+                params[key] = kind(value)
+            except (TypeError, ValueError):
+                ignored.append(f"--{name} {value}")
+    return params, ignored
+
+
 def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
-    """(engine params, note) the row's benchmark tool set; ({}, '') when the notes name no such tool."""
+    """(engine params, note) the row's benchmark tool and quoted engine flags set; ({}, '') when none."""
     tool = "trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source   # perf-overview uses it
     if engine == "trtllm" and tool and row.input_len and row.output_len:
         p = trtllm_bench_params(row)
         return p, f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}"
-    return {}, ""
+    params, ignored = quoted_flags(row, engine)
+    notes = [f"engine flags from the notes: {params}" if params else "",
+             f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else ""]
+    return params, "; ".join(n for n in notes if n)

@@ -13,22 +13,29 @@ and its effect are documented in docs/validation.md.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from simengine.config.loader import from_dict
+from simengine.config.model import load_model
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.engines import ENGINES
 from simengine.errors import InputError
 from simengine.validate.bench_tools import engine_params
-from simengine.validate.measurements import Measurement
+from simengine.validate.measurements import STEP_METRICS, Measurement
+from simengine.workload.datasets import SHAREGPT_BOUNDS, SHAREGPT_MEANS
 
-STEP_METRICS = ("prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
-RATE_METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput")
 ENGINE_OF_ROW = {"unknown": "generic"}   # a row whose stack is not stated runs the documented generic engine
 LLAMA_BENCH_UBATCH = 512   # llama-bench defaults -b 2048 -ub 512 (tools/llama-bench/llama-bench.cpp)
 WAVES = 4                  # offline rows: simulate at most this many steady-state batches of requests (and half)
 MIN_SIMULATED = 200        # ... but never fewer requests than this (or all of them)
 OPEN_LOOP_CAP = 2000       # poisson/concurrency rows without a request count: this many requests
+# ShareGPT token counts depend on the tokenizer: the sampler's means with Llama-2's 32k-vocabulary tokenizer are
+# about 247 in / 233 out (LMDeploy docs/en/benchmark/a100_fp16.md: token over request throughput of its Llama-2
+# 13B and 70B runs), with Llama-3's 128k tokenizer 202 / 179 (vLLM v0.6.0 blog). Used when a row states none.
+SHAREGPT_MEANS_32K_VOCAB = (247.0, 233.0)
+_STATED_MEANS = (re.compile(r"input\D{0,12}?(\d+)\s*/\s*output\D{0,12}?(\d+)"),   # "avg input 202 / output 179"
+                 re.compile(r"(\d+)\s*input\s*/\s*(\d+)\s*output"))          # "~462 input / 256 output"
 
 
 @dataclass(frozen=True)
@@ -61,14 +68,42 @@ def engine_name(row: Measurement) -> str:
     return ENGINE_OF_ROW.get(row.engine, row.engine)
 
 
-def _lengths_problem(row: Measurement) -> str | None:
+def stated_means(row: Measurement) -> tuple[float, float] | None:
+    """Mean input and output tokens the notes state for the row's dataset sample, if any."""
+    for pattern in _STATED_MEANS:
+        m = pattern.search(row.notes)
+        if m:
+            return float(m.group(1)), float(m.group(2))
+    return None
+
+
+def row_lengths(row: Measurement) -> tuple[dict, dict, str] | str:
+    """(input distribution, output distribution, note) of the row's requests, or why they cannot be pinned down.
+
+    Stated lengths are constants. A ShareGPT row runs the ShareGPT length table (simengine/workload/datasets.py)
+    at the means the row states, else at the sampler's means for the model's tokenizer family; a synthetic
+    dataset with stated means (vLLM's sonnet sets: fixed input, output forced by ignore_eos) runs those means."""
     need_in = row.metric in ("prefill_ms", "prefill_tok_s") or row.metric not in STEP_METRICS
     need_out = row.metric in ("decode_step_ms", "decode_tok_s") or row.metric not in STEP_METRICS
     missing = [n for n, need, v in (("input_len", need_in, row.input_len), ("output_len", need_out,
                                                                             row.output_len)) if need and not v]
     if not missing:
-        return None
-    ds = next((p.strip().split()[0] for p in row.notes.split(";") if p.strip().startswith("dataset=")), "")
+        return ({"dist": "constant", "value": max(row.input_len or 1, 1)},
+                {"dist": "constant", "value": max(row.output_len or 1, 1)}, "")
+    ds, means = row.dataset, stated_means(row)
+    if ds == "sharegpt":
+        note = "ShareGPT length table"
+        if means is None:
+            vocab = load_model(row.model, field="model").vocab_size
+            means = SHAREGPT_MEANS_32K_VOCAB if vocab <= 32768 else SHAREGPT_MEANS
+            note += f" at the sampler's means for a {vocab // 1000}k-vocabulary tokenizer"
+        (lo_in, hi_in), (lo_out, hi_out) = SHAREGPT_BOUNDS["input"], SHAREGPT_BOUNDS["output"]
+        return ({"dist": "empirical", "table": "sharegpt_input", "mean": means[0], "min": lo_in, "max": hi_in},
+                {"dist": "empirical", "table": "sharegpt_output", "mean": means[1], "min": lo_out, "max": hi_out},
+                f"{note} {means[0]:g} in / {means[1]:g} out")
+    if ds and means is not None:
+        return ({"dist": "constant", "value": means[0]}, {"dist": "constant", "value": means[1]},
+                f"{ds}: the stated mean lengths {means[0]:g} / {means[1]:g}")
     where = f" ({ds}: simengine bundles no length distribution for it)" if ds else ""
     return f"{' and '.join(missing)} not stated{where}"
 
@@ -89,13 +124,15 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
     """The row's deployment and request stream as a Scenario (InputError on impossible values)."""
     replicas = row.num_gpus // (row.tp * row.pp)
     n = num_requests or 1
+    lengths = row_lengths(row)
+    if isinstance(lengths, str):
+        raise InputError(lengths)
     data = {
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
                        "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas},
-        "workload": {"arrival": _arrival(row), "num_requests": n,
-                     "input_tokens": {"dist": "constant", "value": max(row.input_len or 1, 1)},
-                     "output_tokens": {"dist": "constant", "value": max(row.output_len or 1, 1)}},
+        "workload": {"arrival": _arrival(row), "num_requests": n, "input_tokens": lengths[0],
+                     "output_tokens": lengths[1]},
         "engines": [{"engine": engine, "params": dict(params or {})}],
     }
     return from_dict(Scenario, data, source="row")
@@ -112,11 +149,11 @@ def plan_row(row: Measurement) -> Experiment | Skip:
         return Skip(row, "tp/pp not stated (0 = unknown or engine-chosen)")
     if row.num_gpus % (row.tp * row.pp):
         return Skip(row, f"num_gpus {row.num_gpus} is not a multiple of tp*pp = {row.tp * row.pp}")
-    problem = _lengths_problem(row)
-    if problem:
-        return Skip(row, problem)
     a = row.arrival
     try:
+        lengths = row_lengths(row)
+        if isinstance(lengths, str):
+            return Skip(row, lengths)
         params, note = engine_params(row, engine)
         if row.metric in STEP_METRICS:
             if a.kind not in ("single", "batch"):
@@ -131,7 +168,7 @@ def plan_row(row: Measurement) -> Experiment | Skip:
             n = None   # steady-state throughput of a capped run
         else:
             n = OPEN_LOOP_CAP
-        notes = [note] if note else []
+        notes = [x for x in (note, lengths[2]) if x]
         if n is None and a.kind == "offline":
             notes.append("num_requests not stated: steady-state rate")
         return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params), params,
@@ -141,9 +178,10 @@ def plan_row(row: Measurement) -> Experiment | Skip:
 
 
 def capped_requests(exp: Experiment, batch_limit: int | None, kv_tokens: int) -> int:
-    """Requests to simulate for an offline row: all of them, or WAVES x steady-state concurrency."""
+    """Requests to simulate for an offline row: all of them, or WAVES x steady-state concurrency (fixed lengths
+    only: a row with a length distribution runs its whole sample)."""
     row = exp.row
-    if row.arrival.kind != "offline":
+    if row.arrival.kind != "offline" or not (row.input_len and row.output_len):
         return exp.scenario.workload.num_requests
     per_req = (row.input_len or 1) + (row.output_len or 1)
     conc = kv_tokens // max(per_req, 1)

@@ -16,13 +16,18 @@ from simengine.errors import InputError
 COLUMNS = ("id", "source", "engine", "model", "weight_dtype", "kv_dtype", "hardware", "num_gpus", "tp", "pp",
            "input_len", "output_len", "num_requests", "arrival", "metric", "value", "notes")
 ENGINES = ("vllm", "sglang", "tgi", "lmdeploy", "trtllm", "mlc", "llamacpp", "unknown")
-METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput", "mean_ttft_ms",
-           "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms",
-           "prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
+RATE_METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput")
+STEP_METRICS = ("prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
+# Latency statistics as `vllm bench serve` names them (../shared/reference/metrics.md): STAT_QUANTITY_ms
+LATENCY_STATS = ("mean", "median", "p90", "p99")
+LATENCY_QUANTITIES = ("ttft", "tpot", "itl", "e2el")
+LATENCY_METRICS = tuple(f"{s}_{q}_ms" for q in LATENCY_QUANTITIES for s in LATENCY_STATS)
+METRICS = (*RATE_METRICS, *LATENCY_METRICS, *STEP_METRICS)
 ARRIVALS = ("offline", "poisson", "concurrency", "single", "batch")
 FLAGS = ("assumed", "SUSPECT", "CONFLICT", "SECONDARY", "CORRECTED")
 _ID = re.compile(r"^[a-z0-9_.-]+$")
-_CTX_DEPTH = re.compile(r"ctx_depth\s*=\s*(\d+)")
+_DATASET_FLAG = re.compile(r"--dataset-name[ =]([A-Za-z0-9_-]+)")
+_NOTE_ITEM = re.compile(r"^\s*([a-z_][a-z0-9_]*)\s*=\s*(\S.*?)\s*$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,10 +69,35 @@ class Measurement:
     flags: frozenset[str] = field(default_factory=frozenset)
 
     @property
+    def note_items(self) -> dict[str, str]:
+        """The notes' machine-readable `key=value` items (README 'Machine-readable notes'); free text ignored.
+        A value is the item's text after '=' (e.g. `dataset=sharegpt (500 prompts; ...)` -> 'sharegpt (500')."""
+        out: dict[str, str] = {}
+        for part in self.notes.split(";"):
+            m = _NOTE_ITEM.match(part)
+            if m and m.group(1) not in out:
+                out[m.group(1)] = m.group(2)
+        return out
+
+    def note_int(self, key: str) -> int | None:
+        """An integer `key=N` item of the notes, or None when absent or not an integer."""
+        m = re.match(r"\d+", self.note_items.get(key, ""))
+        return int(m.group(0)) if m else None
+
+    @property
     def ctx_depth(self) -> int:
         """llama-bench `@ dN` depth, written `ctx_depth=N` in the notes (0 when absent)."""
-        m = _CTX_DEPTH.search(self.notes)
-        return int(m.group(1)) if m else 0
+        return self.note_int("ctx_depth") or 0
+
+    @property
+    def dataset(self) -> str:
+        """The length source named by `dataset=NAME` (first word, lower case), else by a benchmark command's
+        `--dataset-name NAME` in the notes; '' when the notes name none."""
+        text = self.note_items.get("dataset", "")
+        if text:
+            return text.split()[0].strip("(),").lower()
+        m = _DATASET_FLAG.search(self.notes)
+        return m.group(1).lower() if m else ""
 
 
 def _int(text: str, column: str, where: str, *, blank_ok: bool, minimum: int = 0) -> int | None:

@@ -20,7 +20,6 @@ from simengine.errors import InputError
 from simengine.sim.runner import Runner, build_deployment, build_engine, cost_model
 from simengine.validate.experiments import (
     LLAMA_BENCH_UBATCH,
-    RATE_METRICS,
     Experiment,
     Skip,
     capped_requests,
@@ -28,7 +27,7 @@ from simengine.validate.experiments import (
     scenario_for,
 )
 from simengine.validate.features import StepFeatures, step_features
-from simengine.validate.measurements import Measurement
+from simengine.validate.measurements import RATE_METRICS, Measurement
 
 
 @dataclass
@@ -139,8 +138,9 @@ def run_step(exp: Experiment) -> Prediction:
 
 
 # ---- simulated experiments ----------------------------------------------------------------------------
-def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object]:
-    """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails."""
+def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, object]:
+    """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails.
+    Returns (per-replica recorded costs, requests frame, recorder)."""
     from simengine.metrics.frames import requests_frame
 
     scenario = scenario_for(exp.row, exp.engine, n, exp.params)
@@ -150,12 +150,13 @@ def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object]:
         rc = RecordingCost(rep.cost)
         rep.cost = rc   # Replica reads self.cost when its process first runs, i.e. inside run()
         rec_costs.append(rc)
-    frame = requests_frame(runner.run().recorder)
+    recorder = runner.run().recorder
+    frame = requests_frame(recorder)
     failed = frame[frame["status"] != "completed"]
     if len(failed):
         reason = failed["fail_reason"].iloc[0] or failed["status"].iloc[0]
         raise InputError(f"{len(failed)} of {n} requests did not complete in simulation ({reason})")
-    return rec_costs, frame
+    return rec_costs, frame, recorder
 
 
 def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
@@ -166,13 +167,14 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
     appear in both runs and cancel. Without a request count the value is that steady-state rate.
     """
     r = exp.row
-    per_req = {"output_throughput_tok_s": r.output_len, "total_throughput_tok_s": r.input_len + r.output_len,
-               "request_throughput": 1}[r.metric]
     full = exp.full_requests
-    runs = [_simulate(exp, n)[0]]
+    costs, frame, _ = _simulate(exp, n)
+    runs = [costs]
     if full is None or full > n:
         runs.append(_simulate(exp, n // 2)[0])
         info["extrapolated"] = True
+    # tokens (or requests) per request: the sample's mean (a dataset row runs its whole sample, so this is exact)
+    per_req = float(_rate_numerator(r.metric, frame)) / len(frame)
     weights, feats, seconds = [], [], []
     for k, costs in enumerate(runs):
         if len(runs) == 1:
@@ -192,13 +194,29 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
     return Prediction(r, exp.engine, readout.value(seconds), readout, feats, info)
 
 
-def _latency_metric(metric: str, frame) -> float:
-    done = frame[frame["status"] == "completed"]
-    stat, _, name = metric.partition("_")
-    v = done[name].dropna().to_numpy()
+def _rate_numerator(metric: str, frame) -> float:
+    """What a throughput metric counts over the run: output tokens, all tokens, or requests."""
+    out = float(frame["num_output_tokens"].sum())
+    return {"output_throughput_tok_s": out, "total_throughput_tok_s": out + float(frame["prompt_len"].sum()),
+            "request_throughput": float(len(frame))}[metric]
+
+
+def _latency_metric(metric: str, frame, recorder) -> float:
+    """A `vllm bench serve` latency statistic (mean/median/p90/p99 of ttft/tpot/itl/e2el, in ms). TTFT, TPOT and
+    E2E are per request; ITL pools every inter-token gap of every request (token-weighted), as the benchmark does."""
+    from simengine.metrics.frames import itl_arrays
+    from simengine.metrics.summary import weighted_stats
+
+    stat, quantity, _ = metric.split("_")
+    if quantity == "itl":
+        value = weighted_stats("itl", *itl_arrays(recorder))[f"{stat}_itl_ms"]
+        return math.nan if value is None else float(value)
+    v = frame.loc[frame["status"] == "completed", f"{quantity}_ms"].dropna().to_numpy()
     if not len(v):
         return math.nan
-    return float(np.mean(v) if stat == "mean" else np.median(v) if stat == "median" else np.percentile(v, 99))
+    if stat == "mean":
+        return float(np.mean(v))
+    return float(np.percentile(v, 50 if stat == "median" else int(stat[1:])))
 
 
 def run_sim(exp: Experiment) -> Prediction:
@@ -208,14 +226,10 @@ def run_sim(exp: Experiment) -> Prediction:
     r = exp.row
     if r.metric in RATE_METRICS and r.arrival.kind in ("offline", "batch"):
         return _offline_rate(exp, n, info)
-    _, frame = _simulate(exp, n)
+    _, frame, recorder = _simulate(exp, n)
     if r.metric in RATE_METRICS:
-        duration = float(frame["finish_s"].max())
-        per = {"output_throughput_tok_s": frame["num_output_tokens"].sum(),
-               "total_throughput_tok_s": frame["num_output_tokens"].sum() + frame["prompt_len"].sum(),
-               "request_throughput": len(frame)}[r.metric]
-        return Prediction(r, exp.engine, float(per) / duration, info=info)
-    return Prediction(r, exp.engine, _latency_metric(r.metric, frame), info=info)
+        return Prediction(r, exp.engine, _rate_numerator(r.metric, frame) / float(frame["finish_s"].max()), info=info)
+    return Prediction(r, exp.engine, _latency_metric(r.metric, frame, recorder), info=info)
 
 
 def run_row(row: Measurement) -> Prediction | Skip:

@@ -9,13 +9,16 @@ from typing import Literal
 import numpy as np
 
 from simengine.errors import InputError
+from simengine.workload.datasets import check_table, sample_table, scale_for_mean
 
 
 @dataclass(frozen=True, kw_only=True)
 class Dist:
-    """A scalar distribution. lognormal: `mean` is the distribution's mean, `sigma` the log-space std."""
+    """A scalar distribution. lognormal: `mean` is the distribution's mean, `sigma` the log-space std.
+    empirical: a dataset's length table (simengine/workload/datasets.py) rescaled so the clipped sample has `mean`
+    (the table's own mean when `mean` is not given); `min`/`max` default to the table's bounds."""
 
-    dist: Literal["constant", "uniform", "lognormal", "normal", "exponential"] = "constant"
+    dist: Literal["constant", "uniform", "lognormal", "normal", "exponential", "empirical"] = "constant"
     value: float | None = None   # constant
     mean: float | None = None    # lognormal, normal, exponential
     sigma: float | None = None   # lognormal (log space), normal
@@ -23,10 +26,11 @@ class Dist:
     high: float | None = None    # uniform (inclusive for integers)
     min: float | None = None     # clip after sampling
     max: float | None = None
+    table: str | None = None     # empirical: a table name in simengine/workload/datasets.py (e.g. sharegpt_input)
 
     def __post_init__(self):
         need = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("mean", "sigma"),
-                "normal": ("mean", "sigma"), "exponential": ("mean",)}[self.dist]
+                "normal": ("mean", "sigma"), "exponential": ("mean",), "empirical": ()}[self.dist]
         for k in need:
             v = getattr(self, k)
             if v is None:
@@ -37,6 +41,19 @@ class Dist:
             raise InputError(f"low {self.low} > high {self.high}", field="low")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise InputError(f"min {self.min} > max {self.max}", field="min")
+        if (self.dist == "empirical") != (self.table is not None):
+            raise InputError("'table' goes with dist: empirical (and empirical needs one)", field="table")
+        if self.dist == "empirical":
+            try:
+                knots = check_table(self.table)
+                lo, hi = self._bounds(knots)
+                if self.mean is not None:
+                    scale_for_mean(self.table, float(self.mean), lo, hi)
+            except ValueError as exc:
+                raise InputError(str(exc), field="table" if "table" in str(exc) else "mean") from None
+
+    def _bounds(self, knots) -> tuple[float, float]:
+        return (self.min if self.min is not None else knots[0][0], self.max if self.max is not None else knots[-1][0])
 
     def sample(self, rng: np.random.Generator, n: int | None = None) -> np.ndarray | float:
         size = n if n is not None else None
@@ -47,6 +64,10 @@ class Dist:
         elif self.dist == "lognormal":
             mu = math.log(max(self.mean, 1e-12)) - self.sigma ** 2 / 2
             x = rng.lognormal(mu, self.sigma, size)
+        elif self.dist == "empirical":
+            lo, hi = self._bounds(check_table(self.table))
+            scale = 1.0 if self.mean is None else scale_for_mean(self.table, float(self.mean), lo, hi)
+            return sample_table(self.table, rng, n, scale=scale, lo=lo, hi=hi)
         elif self.dist == "normal":
             x = rng.normal(self.mean, self.sigma, size)
         else:

@@ -50,7 +50,7 @@ def test_online_arrivals(arrival, process):
     (dict(engine="mlc-llm-x"), None),  # rejected by the reader's engine list; here: a registry miss
     (dict(tp=0), "tp/pp not stated"),
     (dict(num_gpus=6), "not a multiple of tp*pp"),
-    (dict(input_len=None, notes="dataset=openorca (MLPerf)"), "input_len not stated (dataset=openorca"),
+    (dict(input_len=None, notes="dataset=openorca (MLPerf)"), "input_len not stated (openorca: simengine bundles no length"),
     (dict(metric="decode_step_ms", arrival=Arrival(kind="offline")), "needs arrival single or batch"),
     (dict(hardware="tpu_v5"), "unknown hardware 'tpu_v5'"),
 ])
@@ -81,3 +81,29 @@ def test_trtllm_bench_settings_follow_the_tool_heuristic():
     exp = plan_row(dataclasses.replace(r, arrival=Arrival(kind="offline"), metric="output_throughput_tok_s",
                                        num_requests=3000))
     assert exp.params["max_batch_size"] == 4096 and "trtllm-bench settings" in exp.notes[0]
+
+
+def test_sharegpt_rows_run_the_length_table_at_the_stated_or_tokenizer_means():
+    from simengine.validate.experiments import row_lengths
+
+    base = dict(input_len=None, output_len=None, model="llama-3.1-8b", metric="request_throughput",
+                arrival=Arrival(kind="offline"))
+    inp, out, note = row_lengths(row(**base, notes="dataset=sharegpt (500 prompts; avg input 202 / output 179)"))
+    assert (inp["table"], inp["mean"], out["table"], out["mean"]) == ("sharegpt_input", 202, "sharegpt_output", 179)
+    _, out2, note2 = row_lengths(row(**{**base, "model": "llama-2-7b"}, notes="dataset=sharegpt (3000 prompts)"))
+    assert out2["mean"] == 233 and "32k-vocabulary" in note2
+    inp3, out3, _ = row_lengths(row(**base, notes="dataset=sonnet-synthetic (500 prompts; ~462 input / 16 output)"))
+    assert (inp3, out3) == ({"dist": "constant", "value": 462.0}, {"dist": "constant", "value": 16.0})
+    assert "not stated" in row_lengths(row(**base, notes="dataset=openorca"))
+
+
+def test_engine_flags_quoted_in_the_notes_become_params():
+    from simengine.validate.bench_tools import engine_params
+
+    r = row(engine="sglang", notes="SGLang (--disable-radix-cache --mem-frac 0.88 --enable-torch-compile); "
+                                   "bench=sglang.bench_serving --backend sglang --dataset-name sharegpt")
+    params, note = engine_params(r, "sglang")
+    assert params == {"disable_radix_cache": True, "mem_fraction_static": 0.88}
+    assert "--enable-torch-compile" in note and "--backend" not in note
+    params, _ = engine_params(row(engine="vllm", notes="vLLM (--max_model_len 4096); max_num_seqs=512"), "vllm")
+    assert params == {"max_model_len": 4096, "max_num_seqs": 512}

@@ -65,3 +65,14 @@ def test_header_duplicates_and_empty(tmp_path):
 def test_shared_calibration_set_parses():
     rows = read_measurements(SHARED)
     assert len(rows) == 212 and len({r.id for r in rows}) == 212
+
+
+def test_serving_metrics_and_machine_readable_notes(tmp_path):
+    line = ("s-a100-l3_8b-vllm,src,vllm,llama-3-8b,bf16,fp16,a100_80g_sxm,1,1,1,,,500,poisson:4,p90_itl_ms,16.6,"
+            "vLLM (--max_model_len 4096); dataset=sharegpt (500 prompts; avg input 202 / output 179 tokens); "
+            "max_num_seqs=512; bench=python -m sglang.bench_serving --dataset-name sharegpt")
+    (r,) = read_measurements(write(tmp_path, HEADER, line))
+    assert r.metric == "p90_itl_ms" and r.input_len is None and r.dataset == "sharegpt"
+    assert r.note_items["max_num_seqs"] == "512" and r.note_int("max_num_seqs") == 512 and r.ctx_depth == 0
+    flagged = r.__class__(**{**r.__dict__, "notes": "bench --dataset-name sonnet"})
+    assert flagged.dataset == "sonnet"

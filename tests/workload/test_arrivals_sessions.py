@@ -156,3 +156,16 @@ def test_rag_documents_are_shared_across_requests():
                        workload__input_tokens={"dist": "constant", "value": 50}, horizon_s=20.0)
     s = run_engine(sc, sc.engines[0]).summary
     assert s["prefix_cache_hit_rate"] > 0.8
+
+
+@pytest.mark.parametrize("table, mean, lo, hi", [("sharegpt_input", 202, 4, 1024), ("sharegpt_output", 179, 4, 2044)])
+def test_empirical_length_table_hits_the_stated_mean_within_its_bounds(table, mean, lo, hi):
+    from simengine.workload.distributions import Dist
+
+    x = Dist(dist="empirical", table=table, mean=mean, min=lo, max=hi).sample_int(np.random.default_rng(3), 200_000)
+    assert x.mean() == pytest.approx(mean, rel=0.02) and x.min() >= lo and x.max() <= hi
+    assert np.median(x) < 0.75 * mean       # ShareGPT is long-tailed: the median sits well below the mean
+    with pytest.raises(InputError, match="table"):
+        Dist(dist="empirical", table="nosuch")
+    with pytest.raises(InputError, match="mean"):
+        Dist(dist="empirical", table=table, mean=5000)
