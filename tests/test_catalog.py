@@ -15,7 +15,10 @@ ascend_910b3 ascend_910b4 ascend_910c ascend_310p apple_m1 apple_m1_ultra apple_
 apple_m4_max apple_m4_pro gaudi2 gaudi3 arc_pro_b60 snapdragon_8_gen3 snapdragon_8_elite""".split()
 REQUIRED_MODELS = """
 llama-2-7b llama-2-70b llama-3.1-8b llama-3.1-70b llama-3.3-70b llama-3.1-405b qwen2.5-7b qwen2.5-72b qwen3-235b-a22b
-mixtral-8x7b deepseek-v3 internlm2-7b gpt-oss-20b gpt-oss-120b qwen2.5-coder-7b bloom-176b""".split()
+mixtral-8x7b deepseek-v3 internlm2-7b gpt-oss-20b gpt-oss-120b qwen2.5-coder-7b bloom-176b
+llama-3-8b llama-3-70b llama-4-scout-17b-16e llama-4-maverick-17b-128e mixtral-8x22b qwen3-8b qwen3-14b qwen3-32b
+qwen3-30b-a3b deepseek-r1 mistral-nemo-12b gemma-2-9b gemma-2-27b gemma-3-12b gemma-3-27b codellama-34b yi-34b
+phi-4""".split()
 
 
 def test_every_required_device_is_in_the_catalog():
@@ -94,7 +97,139 @@ def test_unknown_names_list_valid_ones():
         load_hardware("h100_sxn")
     with pytest.raises(InputError, match="unknown model 'llama-9b'.*valid: "):
         load_model("llama-9b")
+    with pytest.raises(InputError, match="unknown model 'llama-9-8b' \\(did you mean 'llama-3-8b'"):
+        load_model("llama-9-8b")
 
 
 def test_hardware_dir_has_vendor_subfolders():
     assert {p.name for p in HARDWARE_DIR.iterdir() if p.is_dir()} >= {"nvidia", "amd", "huawei", "apple"}
+
+
+# ---- the most-served open architectures: shapes the loader derives from their published config.json ----------------
+
+def test_llama_3_is_llama_3_1_shaped_with_an_8k_context():
+    for old, new in (("llama-3-8b", "llama-3.1-8b"), ("llama-3-70b", "llama-3.1-70b")):
+        m, m31 = load_model(old), load_model(new)
+        assert m.total_params == m31.total_params and m.kv_bytes_per_token(2) == m31.kv_bytes_per_token(2)
+        assert (m.max_model_len, m31.max_model_len) == (8192, 131072)
+    assert load_model("llama-3-8b").total_params == 8_030_261_248
+    assert load_model("llama-3-70b").total_params == 70_553_706_496
+
+
+def test_llama_4_scout_every_layer_moe_with_a_shared_expert():
+    m = load_model("llama-4-scout-17b-16e")
+    assert m.model_type == "llama4_text" and m.num_layers == 48
+    assert (m.num_experts, m.experts_per_token, m.num_moe_layers, m.num_dense_mlp_layers) == (16, 1, 48, 0)
+    assert m.expert_params == 3 * 5120 * 8192  # experts are intermediate_size wide
+    assert m.shared_expert_params_per_moe_layer == 3 * 5120 * 8192  # one shared expert, the same width
+    assert m.router_params_per_moe_layer == 5120 * 16
+    # chunked attention (8192-token chunks) on the RoPE layers; every 4th layer is a global NoPE layer
+    assert (m.num_sliding_layers, m.sliding_window, m.num_full_attention_layers) == (36, 8192, 12)
+    assert m.kv_bytes_per_token(2) == 12 * 2 * 8 * 128 * 2
+    assert not m.tie_word_embeddings and m.vocab_size == 202048 and m.max_model_len == 10485760
+    assert m.total_params == 107_769_861_120 and m.active_params == 17_172_894_720
+
+
+def test_llama_4_maverick_interleaves_moe_and_dense_layers():
+    m = load_model("llama-4-maverick-17b-128e")
+    assert (m.num_experts, m.num_moe_layers, m.num_dense_mlp_layers) == (128, 24, 24)  # interleave_moe_layer_step 2
+    assert m.intermediate_size == 16384  # dense layers use intermediate_size_mlp
+    assert m.dense_mlp_params == 3 * 5120 * 16384 and m.expert_params == 3 * 5120 * 8192
+    assert m.shared_expert_params_per_moe_layer == 3 * 5120 * 8192
+    assert (m.num_sliding_layers, m.sliding_window) == (36, 8192)
+    assert m.total_params == 400_711_848_960 and m.active_params == 17_184_691_200
+
+
+def test_llama_4_explicit_layer_lists(tmp_path):
+    import json
+    cfg = json.loads((MODELS_DIR / "llama-4-maverick-17b-128e.json").read_text())
+    cfg["text_config"]["moe_layers"] = list(range(1, 48, 2))  # what transformers derives from the step
+    cfg["text_config"]["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(48)]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(str(tmp_path / "config.json"))
+    ref = load_model("llama-4-maverick-17b-128e")
+    assert (m.num_moe_layers, m.num_sliding_layers, m.total_params) == (24, 36, ref.total_params)
+    cfg["text_config"]["no_rope_layers"] = [1] * 47 + [0]  # an explicit list wins over the default interval
+    cfg["text_config"]["moe_layers"] = [0, 1, 2]
+    (tmp_path / "listed.json").write_text(json.dumps(cfg))
+    m2 = load_model(str(tmp_path / "listed.json"))
+    assert (m2.num_sliding_layers, m2.num_moe_layers, m2.num_dense_mlp_layers) == (47, 3, 45)
+
+
+def test_qwen3_dense_head_dim_and_moe_layers():
+    m = load_model("qwen3-32b")
+    assert m.head_dim == 128 and m.num_heads * m.head_dim == 8192 != m.hidden_size  # head_dim given explicitly
+    assert m.attn_params_per_layer == 5120 * 8192 * 2 + 2 * 5120 * 8 * 128
+    for name, layers in (("qwen3-8b", 36), ("qwen3-14b", 40), ("qwen3-32b", 64)):
+        assert load_model(name).num_layers == layers and not load_model(name).is_moe
+    moe = load_model("qwen3-30b-a3b")
+    assert (moe.num_experts, moe.experts_per_token, moe.num_moe_layers, moe.num_dense_mlp_layers) == (128, 8, 48, 0)
+    assert moe.expert_params == 3 * 2048 * 768 and moe.shared_expert_params_per_moe_layer == 0
+
+
+def test_deepseek_r1_is_the_deepseek_v3_architecture():
+    import json
+    r1, v3 = load_model("deepseek-r1"), load_model("deepseek-v3")
+    assert r1.total_params == v3.total_params and r1.kv_bytes_per_token(2) == v3.kv_bytes_per_token(2)
+    assert json.loads((MODELS_DIR / "deepseek-v3.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_mixtral_8x22b():
+    m = load_model("mixtral-8x22b")
+    assert (m.num_layers, m.num_experts, m.experts_per_token, m.num_moe_layers) == (56, 8, 2, 56)
+    assert m.total_params == 140_620_634_112 and m.active_params == 39_152_031_744
+
+
+def test_mistral_nemo_explicit_head_dim():
+    m = load_model("mistral-nemo-12b")
+    assert m.head_dim == 128 != m.hidden_size // m.num_heads  # 5120 / 32 = 160
+    assert m.max_model_len == 128000 and m.total_params == 12_247_782_400
+
+
+@pytest.mark.parametrize("name, layers, sliding, window, head_dim", [
+    ("gemma-2-9b", 42, 21, 4096, 256),    # every other layer (0, 2, 4, ...) slides
+    ("gemma-2-27b", 46, 23, 4096, 128),
+    ("gemma-3-12b", 48, 40, 1024, 256),   # 5 local : 1 global; head_dim from Gemma3TextConfig's default
+    ("gemma-3-27b", 62, 52, 1024, 128),   # 10 x (5 + 1) + 2 local
+])
+def test_gemma_sliding_layers_and_head_dim(name, layers, sliding, window, head_dim):
+    m = load_model(name)
+    assert (m.num_layers, m.num_sliding_layers, m.sliding_window, m.head_dim) == (layers, sliding, window, head_dim)
+    assert m.kv_bytes_per_token(2) == (layers - sliding) * 2 * m.num_kv_heads * head_dim * 2
+    assert m.tie_word_embeddings and m.gated_mlp  # GeGLU: still 3 matrices
+
+
+def test_gemma_2_matches_the_report_exactly_but_for_two_extra_norms_per_layer():
+    # Gemma 2 report: embedding + non-embedding parameters; Gemma 2 has 4 RMSNorms per layer, the loader counts 2
+    report = {"gemma-2-9b": 917_504_000 + 8_324_201_984, "gemma-2-27b": 1_179_648_000 + 26_047_480_320}
+    for name, published in report.items():
+        m = load_model(name)
+        assert m.total_params + 2 * m.num_layers * m.hidden_size == published
+
+
+def test_gemma_3_text_config_defaults():
+    m = load_model("gemma-3-27b")  # text_config omits vocab_size, max_position_embeddings and the tie flag
+    assert (m.vocab_size, m.max_model_len, m.model_type) == (262208, 131072, "gemma3_text")
+    assert m.total_params == 27_008_663_808 and load_model("gemma-3-12b").total_params == 11_765_640_960
+
+
+def test_family_defaults_yield_to_the_file(tmp_path):
+    import json
+    cfg = json.loads((MODELS_DIR / "gemma-3-12b.json").read_text())
+    cfg["text_config"].update(head_dim=240, vocab_size=1000, sliding_window_pattern=2)
+    cfg["tie_word_embeddings"] = False  # the wrapper's flag applies when the text model sets none
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(str(tmp_path / "config.json"))
+    assert (m.head_dim, m.vocab_size, m.num_sliding_layers, m.tie_word_embeddings) == (240, 1000, 24, False)
+
+
+@pytest.mark.parametrize("name, layers, heads, kv_heads, vocab, context", [
+    ("codellama-34b", 48, 64, 8, 32000, 16384),
+    ("yi-34b", 60, 56, 8, 64000, 4096),
+    ("phi-4", 40, 40, 10, 100352, 16384),
+])
+def test_dense_gqa_models(name, layers, heads, kv_heads, vocab, context):
+    m = load_model(name)
+    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.vocab_size, m.max_model_len) == (
+        layers, heads, kv_heads, vocab, context)
+    assert m.head_dim == 128 and not m.tie_word_embeddings and not m.is_moe

@@ -149,15 +149,66 @@ def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
                          "against the model's HuggingFace config.json", source=source) from None
 
 
+# Defaults of the transformers config classes for keys a checkpoint's config.json may leave out: transformers
+# writes a multimodal model's text_config as a diff against its class defaults, so google/gemma-3-*-it's text_config
+# has no vocab_size, head_dim, max_position_embeddings or tie flag. Only the keys that change the derived shape are
+# listed (values from transformers' Gemma2Config / Gemma3TextConfig / Llama4TextConfig).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"tie_word_embeddings": True, "sliding_window_pattern": 2},  # even layers slide, odd ones are global
+    "gemma3_text": {"tie_word_embeddings": True, "vocab_size": 262208, "head_dim": 256,
+                    "max_position_embeddings": 131072, "sliding_window": 4096, "sliding_window_pattern": 6},
+    "llama4_text": {"tie_word_embeddings": False, "no_rope_layer_interval": 4},
+}
+# Families with an always-on shared expert of the routed experts' width but no config key counting it.
+_IMPLICIT_SHARED_EXPERTS = {"llama4_text": 1}
+
+
+def _windowed_layers(cfg: dict, layers: int, model_type: str, source: str) -> tuple[int, int]:
+    """(window, number of layers attending only within it): sliding-window or chunked-attention layers.
+
+    Sources, first found wins: `layer_types` (gpt-oss, newer Gemma/Llama 4 files; 'chunked_attention' layers keep
+    at most `attention_chunk_size` tokens); Llama 4's `attention_chunk_size` with `no_rope_layers` (1 = a RoPE layer
+    with chunked attention, 0 = a global NoPE layer; empty or absent: every `no_rope_layer_interval`-th layer is
+    global); a `sliding_window_pattern` (Gemma 3: 6 = five sliding layers, then a global one; Gemma 2: 2). Chunked
+    attention is stored as a window of the chunk size: a token never needs more cached keys than that."""
+    layer_types = cfg.get("layer_types") or []
+    sliding = _positive_int(cfg.get("sliding_window") or 0, "sliding_window", source, minimum=0)
+    chunk = _positive_int(cfg.get("attention_chunk_size") or 0, "attention_chunk_size", source, minimum=0)
+    if layer_types:
+        n_sliding = sum(1 for t in layer_types if t == "sliding_attention") if sliding else 0
+        n_chunked = sum(1 for t in layer_types if t == "chunked_attention") if chunk else 0
+        if n_chunked:
+            return chunk, n_chunked
+        return (sliding, n_sliding) if n_sliding else (0, 0)
+    if chunk and model_type == "llama4_text":
+        rope_layers = cfg.get("no_rope_layers") or []
+        if not rope_layers:
+            interval = _positive_int(cfg.get("no_rope_layer_interval"), "no_rope_layer_interval", source)
+            rope_layers = [int((i + 1) % interval != 0) for i in range(layers)]
+        return chunk, sum(1 for flag in rope_layers[:layers] if flag)
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern"))
+    if sliding and pattern:
+        pattern = _positive_int(pattern, "sliding_window_pattern", source)
+        return sliding, sum(1 for i in range(layers) if (i + 1) % pattern)
+    return 0, 0
+
+
 def _model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InputError("config.json must be a JSON object", source=source)
+    outer: dict = {}
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers keep the LM here
-        cfg = cfg["text_config"]
+        outer, cfg = cfg, cfg["text_config"]
         if not isinstance(cfg, dict):
             raise InputError("must be a JSON object holding the language model's config", source=source,
                              field="text_config")
     model_type = str(cfg.get("model_type", "unknown"))
+    defaults = _FAMILY_DEFAULTS.get(model_type)
+    if defaults:
+        cfg = {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    if outer.get("tie_word_embeddings") is not None and outer["text_config"].get("tie_word_embeddings") is None:
+        cfg = {**cfg, "tie_word_embeddings": outer["tie_word_embeddings"]}  # the wrapper's flag, unless the LM sets one
     g = functools.partial(_get, cfg, source=source)
     h = _positive_int(g("hidden_size", "n_embed", "d_model"), "hidden_size", source)
     layers = _positive_int(g("num_hidden_layers", "n_layer", "num_layers"), "num_hidden_layers", source)
@@ -170,7 +221,9 @@ def _model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
     head_dim = _positive_int(g("head_dim", default=h // heads), "head_dim", source)
     vocab = _positive_int(g("vocab_size", "padded_vocab_size"), "vocab_size", source)
     is_bloom = model_type == "bloom"
-    inter = _positive_int(g("intermediate_size", "ffn_hidden_size", default=4 * h), "intermediate_size", source)
+    ffn = _positive_int(g("intermediate_size", "ffn_hidden_size", default=4 * h), "intermediate_size", source)
+    # Llama 4: `intermediate_size` is the expert (and shared-expert) width, `intermediate_size_mlp` the dense layers'
+    inter = _positive_int(cfg.get("intermediate_size_mlp") or ffn, "intermediate_size_mlp", source)
     max_len = _positive_int(g("max_position_embeddings", "seq_length", "max_sequence_length", default=2048),
                             "max_position_embeddings", source)
     tie = bool(cfg.get("tie_word_embeddings", is_bloom))
@@ -197,27 +250,31 @@ def _model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
         if topk > num_experts:
             raise InputError(f"{topk} experts per token but only {num_experts} experts", source=source,
                              field="num_experts_per_tok")
-        e_inter = _positive_int(g("moe_intermediate_size", default=inter), "moe_intermediate_size", source)
+        e_inter = _positive_int(g("moe_intermediate_size", default=ffn), "moe_intermediate_size", source)
         first_dense = int(cfg.get("first_k_dense_replace") or 0)
         dense_set = set(cfg.get("mlp_only_layers") or [])
-        step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
-        moe_layers = sum(1 for i in range(layers)
-                         if i >= first_dense and i not in dense_set and (i + 1) % step == 0)
-        shared = int(cfg.get("n_shared_experts") or 0) * 3 * h * e_inter
+        step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq")
+                   or cfg.get("interleave_moe_layer_step") or 1)  # Llama 4 Maverick: 2, every other layer is MoE
+        listed = cfg.get("moe_layers")  # Llama 4 may list its MoE layers outright
+        if isinstance(listed, list):
+            moe_layers = len({int(i) for i in listed if 0 <= int(i) < layers})
+        else:
+            moe_layers = sum(1 for i in range(layers)
+                             if i >= first_dense and i not in dense_set and (i + 1) % step == 0)
+        n_shared = int(cfg.get("n_shared_experts") or _IMPLICIT_SHARED_EXPERTS.get(model_type, 0))
+        shared = n_shared * 3 * h * e_inter
         shared += 3 * h * int(cfg.get("shared_expert_intermediate_size") or 0)
         moe = dict(num_experts=num_experts, experts_per_token=topk, expert_params=3 * h * e_inter,
                    num_moe_layers=moe_layers, shared_expert_params_per_moe_layer=shared,
                    router_params_per_moe_layer=h * num_experts)
 
-    layer_types = cfg.get("layer_types") or []
-    sliding = _positive_int(cfg.get("sliding_window") or 0, "sliding_window", source, minimum=0)
-    n_sliding = sum(1 for t in layer_types if t == "sliding_attention") if sliding else 0
+    window, n_sliding = _windowed_layers(cfg, layers, model_type, source)
     return ModelSpec(
         name=name, model_type=model_type, num_layers=layers, hidden_size=h, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=k_dim, qk_head_dim=qk_dim, v_head_dim=v_dim,
         intermediate_size=inter, gated_mlp=not is_bloom, vocab_size=vocab, max_model_len=max_len,
         tie_word_embeddings=tie, kv_latent_dim=latent, attn_params_per_layer=attn,
-        sliding_window=sliding if n_sliding else 0, num_sliding_layers=n_sliding, **moe)
+        sliding_window=window if n_sliding else 0, num_sliding_layers=n_sliding, **moe)
 
 
 @functools.cache
