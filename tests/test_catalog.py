@@ -33,7 +33,11 @@ def test_hardware_yaml_loads_and_is_in_range(name):
     assert ("fp16" in hw.peak_flops) or ("bf16" in hw.peak_flops)
     for v in hw.peak_flops.values():
         assert 1e12 <= v <= 2e16
-    assert 0 < hw.gemm_fraction <= 1 and 0 < hw.memory_bandwidth_fraction <= 1
+    assert "default" in hw.gemm_fractions and all(0 < v <= 1 for v in hw.gemm_fractions.values())
+    assert set(hw.gemm_fractions) - {"default"} <= set(hw.peak_flops)   # a fraction only for a dtype it computes
+    assert 0 < hw.memory_bandwidth_fraction <= 1 and 0 < hw.link_bandwidth_fraction <= 1
+    assert 0 <= hw.kernel_floor_s <= 50e-6
+    assert hw.custom_allreduce_latency_s is None or hw.custom_allreduce_latency_s <= hw.link_latency_s
     assert hw.node_size >= 1
     assert hw.vendor in {"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"}
     # every number carries a source comment: each numeric line of the file has a trailing comment

@@ -23,13 +23,16 @@ COMPUTE_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4", "fp4")
 class InterconnectYaml:
     name: str
     bandwidth_gb_s_per_direction: float
-    latency_us: float
+    latency_us: float                         # one small NCCL (RCCL, HCCL, oneCCL) all-reduce call
+    bandwidth_fraction: float = 1.0           # achieved all-reduce bus bandwidth / link bandwidth (nccl-tests busbw)
+    custom_allreduce_latency_us: float | None = None  # one small all-reduce by engines' custom kernels (null: none)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EfficiencyYaml:
-    gemm_fraction: float
+    gemm_fraction: float | dict[str, float]   # one value, or per compute dtype with a `default`
     memory_bandwidth_fraction: float
+    kernel_floor_us: float = 0.0              # GPU time of the smallest kernel (launch-to-completion in a graph)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +52,7 @@ class HardwareYaml:
     price_usd_per_hour: float | None = None
     price_source_date: str | None = None
     efficiency: EfficiencyYaml
+    kernel_tables: str | None = None          # a measured-kernel system (aiconfigurator-core systems/data/<name>)
     confidence: str = "C"
     calibration: dict[str, str | float | int] = field(default_factory=dict)
 
@@ -65,17 +69,31 @@ class Hardware:
     memory_bandwidth_bytes_s: float
     peak_flops: dict[str, float]
     link_bandwidth_bytes_s: float   # per direction
-    link_latency_s: float           # one small-message all-reduce
+    link_latency_s: float           # one small-message all-reduce through the collective library (NCCL)
     node_size: int
     tdp_w: float | None
     price_usd_per_hour: float | None
-    gemm_fraction: float
+    gemm_fractions: dict[str, float]   # achieved / peak per compute dtype; key "default" for the others
     memory_bandwidth_fraction: float
+    kernel_floor_s: float = 0.0
+    link_bandwidth_fraction: float = 1.0
+    custom_allreduce_latency_s: float | None = None
+    kernel_tables: str | None = None
     path: str = ""
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for a compute dtype."""
         return self.peak_flops[dtype]
+
+    def gemm_fraction(self, dtype: str) -> float:
+        """Achieved / peak of large GEMMs computing in `dtype` (the `default` entry when the dtype has none)."""
+        f = self.gemm_fractions
+        return f[dtype] if dtype in f else f["default"]
+
+    def allreduce_latency_s(self, custom: bool) -> float:
+        """Latency of one small all-reduce: the engine's custom kernel where the link has one, else the library's."""
+        c = self.custom_allreduce_latency_s
+        return c if custom and c is not None else self.link_latency_s
 
 
 VENDORS = ("nvidia", "amd", "huawei", "apple", "intel", "qualcomm")
@@ -117,11 +135,26 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     _check_range(y.interconnect.latency_us, "interconnect.latency_us", src, allow_zero=True)
     _check_range(y.tdp_w, "tdp_w", src)
     _check_range(y.price_usd_per_hour, "price_usd_per_hour", src, allow_zero=True)
+    g = y.efficiency.gemm_fraction
+    fractions = dict(g) if isinstance(g, dict) else {"default": g}
+    if "default" not in fractions:
+        raise InputError("needs a 'default' entry (the fraction for compute dtypes not listed)", source=src,
+                         field="efficiency.gemm_fraction")
+    for k in fractions:
+        if k != "default" and k not in COMPUTE_DTYPES:
+            raise unknown_name("compute dtype", k, ("default", *COMPUTE_DTYPES), source=src,
+                               field="efficiency.gemm_fraction")
     try:
-        check_fraction(y.efficiency.gemm_fraction, "efficiency.gemm_fraction")
+        for k, v in fractions.items():
+            check_fraction(v, f"efficiency.gemm_fraction.{k}" if isinstance(g, dict) else "efficiency.gemm_fraction")
         check_fraction(y.efficiency.memory_bandwidth_fraction, "efficiency.memory_bandwidth_fraction")
+        check_fraction(y.interconnect.bandwidth_fraction, "interconnect.bandwidth_fraction")
     except InputError as exc:
         raise exc.located(src, None) from None
+    if not (math.isfinite(y.efficiency.kernel_floor_us) and 0 <= y.efficiency.kernel_floor_us <= 1000):
+        raise InputError(f"must be in 0..1000 us, got {y.efficiency.kernel_floor_us}", source=src,
+                         field="efficiency.kernel_floor_us")
+    _check_range(y.interconnect.custom_allreduce_latency_us, "interconnect.latency_us", src, allow_zero=True)
     if not 1 <= y.node_size <= 1024:
         raise InputError(f"must be an integer in 1..1024, got {y.node_size}", source=src, field="node_size")
     if y.node_size > 1 and y.interconnect.bandwidth_gb_s_per_direction == 0:
@@ -136,8 +169,11 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         link_bandwidth_bytes_s=y.interconnect.bandwidth_gb_s_per_direction * 1e9,
         link_latency_s=y.interconnect.latency_us * 1e-6,
         node_size=y.node_size, tdp_w=y.tdp_w, price_usd_per_hour=y.price_usd_per_hour,
-        gemm_fraction=y.efficiency.gemm_fraction,
-        memory_bandwidth_fraction=y.efficiency.memory_bandwidth_fraction, path=src)
+        gemm_fractions=fractions, memory_bandwidth_fraction=y.efficiency.memory_bandwidth_fraction,
+        kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6, link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
+        custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
+                                    else y.interconnect.custom_allreduce_latency_us * 1e-6),
+        kernel_tables=y.kernel_tables, path=src)
 
 
 @functools.cache
