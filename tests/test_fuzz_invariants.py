@@ -293,7 +293,7 @@ def little(req, runner: TrackingRunner, end: float, steps) -> None:
         # be ordered either side of its row: arrivals submitted then, and requests the next schedule() refuses
         # or fails at that instant (they leave at the row's time but after it).
         at = steps["end_s"].to_numpy()
-        sa, sd = np.sort(a), np.sort(d)
+        sa, sd = np.sort(a + runner.frontend_s), np.sort(d)   # a request reaches the engine through the frontend
         arrived = np.searchsorted(sa, at, side="right")
         left = np.searchsorted(sd, at, side="right")
         arrive_now = arrived - np.searchsorted(sa, at, side="left")

@@ -48,6 +48,12 @@ def _scenario(hardware: str, input_tokens: dict, n: int, arrival: dict, seed: in
                          engines=[{"engine": SERVER.engine, "params": SERVER.params}])
 
 
+def _frontend_s(sc) -> float:
+    """The frontend latency every request spends before it reaches the engine's queue (not queueing)."""
+    from simengine.sim.runner import Runner
+    return Runner(sc, SERVER).frontend_s
+
+
 def _mean_service(hardware: str, input_tokens: dict) -> float:
     """Mean service time from requests spaced so far apart that none waits."""
     sc = _scenario(hardware, input_tokens, 2000, {"process": "constant", "rate": 0.01}, seed=99)
@@ -58,10 +64,11 @@ def _mean_service(hardware: str, input_tokens: dict) -> float:
 def queue(hardware: str, input_tokens: dict, rho: float, n: int, seed: int = 5) -> dict:
     """Run the single-server queue at offered load ~rho; return waits, services and the arrival rate."""
     rate = rho / _mean_service(hardware, input_tokens)
-    req = run_engine(_scenario(hardware, input_tokens, n, {"process": "poisson", "rate": rate}, seed), SERVER).requests
+    sc = _scenario(hardware, input_tokens, n, {"process": "poisson", "rate": rate}, seed)
+    req = run_engine(sc, SERVER).requests
     assert (req["status"] == "completed").all(), req["status"].value_counts()
     req = req.sort_values(["arrival_s", "request_id"], kind="stable")
-    arrival = req["arrival_s"].to_numpy()
+    arrival = req["arrival_s"].to_numpy() + _frontend_s(sc)   # when the request reaches the engine's queue
     start = req["first_scheduled_s"].to_numpy()
     service = req["finish_s"].to_numpy() - start
     return {"rate": rate, "arrival": arrival, "wait": start - arrival, "service": service}

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from simengine.config.hardware import REPO_ROOT
 from simengine.config.loader import apply_overrides, from_dict, load_yaml
@@ -39,6 +39,7 @@ class DeploymentConfig:
     router: str = "least_loaded"    # least_loaded | round_robin
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
+    cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
 
     def __post_init__(self):
         for k in ("tp", "pp", "replicas"):

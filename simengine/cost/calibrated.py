@@ -1,22 +1,19 @@
-"""Calibrated per-engine overhead terms: the YAML they live in, and how they enter an engine's EngineTiming.
+"""Calibrated engine terms: the YAML they live in, and how they enter an engine's EngineTiming.
 
-`simengine/engines/calibration.yaml` maps an engine's registry name to named overhead terms, each an
-`EngineTiming` field that `RooflineCost.step` prices: the host terms (scheduler_cpu_s, output_cpu_s,
-kernel_launch_s, graph_replay_s) replace the engine module's estimates, and four more default to nothing:
-
-- `layer_latency_s`: fixed latency per transformer layer per step (inter-kernel bubbles and synchronisation of
-  an unfused stack), added to the GPU time of every step;
-- `allreduce_hop_latency_s`: software latency per ring hop of one tensor-parallel all-reduce, so one call costs
-  2 (tp - 1) hops on top of the link's `latency_us` (this is what makes small-batch decode scale poorly with tp);
-- `allreduce_bandwidth_fraction`: achieved / nominal link bandwidth of the engine's all-reduce;
-- `seq_cpu_s`: host time per sequence in the step (sampling, stop checks, detokenisation), exposed like the other
-  host time (all of it in a synchronous loop, only the excess over the GPU time when overlapped).
+`simengine/engines/calibration.yaml` maps an engine's registry name to named terms, each an `EngineTiming` field
+and each an engine mechanism: host time per step to schedule (`scheduler_cpu_s`) and to process outputs
+(`output_cpu_s`), host time per sequence in the step (`seq_cpu_s`: sampling, stop checks, detokenisation), the
+dispatch cost of one eagerly launched kernel (`kernel_launch_s`) and of a CUDA-graph replay (`graph_replay_s`).
+The engine module sets a prior for every one of them, with its source; a fitted value replaces the prior. Physical
+terms (GEMM and bandwidth efficiency, kernel floors, all-reduce latency and bandwidth) belong to the hardware and
+are not engine terms.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 
 from simengine.config.loader import load_yaml
@@ -24,18 +21,44 @@ from simengine.cost.timing import EngineTiming
 from simengine.errors import InputError
 
 ENGINE_TERMS_PATH = Path(__file__).resolve().parents[1] / "engines" / "calibration.yaml"
-# The terms calibration adds to the engine modules' own timing, and the value of each that adds nothing.
-PROPOSED_TERMS: dict[str, float] = {"layer_latency_s": 0.0, "allreduce_hop_latency_s": 0.0,
-                                    "allreduce_bandwidth_fraction": 1.0, "seq_cpu_s": 0.0}
-TIMING_TERMS = ("scheduler_cpu_s", "output_cpu_s", "kernel_launch_s", "graph_replay_s")
+# A trial set of terms (`simengine calibrate --test`: terms fitted on one file, judged on another) replaces the
+# shipped ones for every run in this process and its workers: a YAML with `engines:` as calibration.yaml and
+# `devices: {hardware name: {gemm_fraction.<dtype key> | memory_bandwidth_fraction | kernel_floor_s: value}}`.
+TRIAL_TERMS_ENV = "SIMENGINE_TRIAL_TERMS"
+# The engine terms calibration may fit (EngineTiming fields).
+TIMING_TERMS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "kernel_launch_s", "graph_replay_s", "frontend_s")
 
 
 def read_engine_terms(path: Path | None = None) -> dict[str, dict[str, float]]:
     """engine -> {term: value} from the calibration YAML (provenance keys dropped). Missing file -> {}."""
-    p = path or ENGINE_TERMS_PATH
+    p = path or (Path(os.environ[TRIAL_TERMS_ENV]) if os.environ.get(TRIAL_TERMS_ENV) else ENGINE_TERMS_PATH)
     if not p.exists():
         return {}
     return dict(_read_cached(p.resolve(), p.stat().st_mtime_ns))
+
+
+def trial_device_terms(hardware: str) -> dict[str, float]:
+    """The trial file's device terms for `hardware` (see TRIAL_TERMS_ENV); {} without a trial file."""
+    path = os.environ.get(TRIAL_TERMS_ENV)
+    if not path:
+        return {}
+    data = load_yaml(Path(path)) or {}
+    return dict((data.get("devices") or {}).get(hardware) or {})
+
+
+def apply_device_terms(hw, terms: dict[str, float]):
+    """A Hardware with fitted device terms in place (gemm_fraction.<key>, memory_bandwidth_fraction,
+    kernel_floor_s)."""
+    if not terms:
+        return hw
+    fractions = dict(hw.gemm_fractions)
+    changes = {}
+    for name, v in terms.items():
+        if name.startswith("gemm_fraction."):
+            fractions[name.split(".", 1)[1]] = float(v)
+        else:
+            changes[name] = float(v)
+    return dataclasses.replace(hw, gemm_fractions=fractions, **changes)
 
 
 @functools.cache
@@ -50,8 +73,8 @@ def _read_cached(path: Path, mtime_ns: int) -> dict[str, dict[str, float]]:
             raise InputError("expected a mapping of terms", source=str(path), field=f"engines.{name}")
         terms = {}
         for k, v in (entry.get("terms") or {}).items():
-            if k not in PROPOSED_TERMS and k not in TIMING_TERMS:
-                raise InputError(f"unknown term; valid: {', '.join([*TIMING_TERMS, *PROPOSED_TERMS])}",
+            if k not in TIMING_TERMS:
+                raise InputError(f"unknown term; valid: {', '.join(TIMING_TERMS)}",
                                  source=str(path), field=f"engines.{name}.terms.{k}")
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise InputError(f"must be a number >= 0, got {v!r}", source=str(path),

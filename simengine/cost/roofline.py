@@ -1,178 +1,179 @@
-"""Roofline step time: each part of a forward pass is bound by compute or by memory, plus comm and overhead.
+"""Roofline GPU time of the step's ops from the device's physical terms (docs/cost-model.md).
 
-See ../shared/reference/cost-model.md for the physics. Efficiency terms are named and come from the
-hardware YAML (`efficiency.gemm_fraction`, `efficiency.memory_bandwidth_fraction`); nothing per-row.
+Each op takes max(FLOPs / peak / gemm_fraction[dtype], bytes / bandwidth / memory_bandwidth_fraction) plus the
+device's kernel floor per kernel; an all-reduce takes the link's latency plus its bytes over the achieved link
+bandwidth. The terms are the device's (hardware/*.yaml `efficiency:` and `interconnect:`), shared by every engine;
+whether the engine's all-reduce is a custom kernel or the collective library's is the engine's.
+
+A step's ops are first turned into *features*, the seconds each op would take at efficiency 1 (FLOPs over peak,
+bytes over bandwidth, ring bytes over the link) plus counts (kernels, all-reduce calls) and seconds that no term
+changes (measured kernels, other communication); `price` adds them up at a set of terms. The simulator prices
+through `price` for every token count at once and caches the result; calibration re-prices thousands of recorded
+steps with trial terms through the same function. Everything takes floats or numpy arrays (`maximum` is the
+builtin `max` or `np.maximum`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
 from simengine.config.hardware import Hardware
-from simengine.config.model import ModelSpec
-from simengine.core.batch import BatchShape
-from simengine.cost.timing import EngineTiming
+from simengine.cost.work import StepWork
 
-ACT_BYTES = 2.0  # activations are 16-bit in every engine modelled
-
-
-class StepCost(NamedTuple):
-    """Seconds for one step and where they went (compute-bound, memory-bound, communication, overhead)."""
-
-    seconds: float
-    compute_s: float
-    memory_s: float
-    comm_s: float
-    overhead_s: float
+# Per-step feature arrays: *_c / *_m are an op's seconds at gemm_fraction / memory fraction 1, floors a kernel count,
+# ar_calls the all-reduce calls priced here, ar_link their ring bytes over the raw link, comm_fixed seconds of other
+# communication, meas_* seconds from measured kernels (compute-, memory-bound or communication).
+FEATURES = ("lin_c", "lin_m", "lm_c", "lm_m", "pre_c", "pre_m", "dec_c", "dec_m", "elem_m", "floors", "ar_calls",
+            "ar_link", "comm_fixed", "meas_c", "meas_m", "meas_comm")
 
 
-class RooflineCost:
-    """Step time for one replica of `model` on `tp` x `pp` devices of `hw`."""
+@dataclass(frozen=True)
+class DeviceTerms:
+    """The physical terms one device prices ops with: efficiencies, floors and the link."""
 
-    def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
-                 tp: int = 1, pp: int = 1, timing: EngineTiming, grammar_mask_s: float = 0.0,
-                 expert_parallel: bool = False):
-        self.model, self.hw, self.timing = model, hw, timing
-        self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
-        self.tp, self.pp = tp, pp
-        compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)
-        attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops else compute_dtype)
-        shards = tp  # per-device work: tensor parallel splits every GEMM; pipeline stages run in sequence
-        self.linear_flops_s = hw.peak(compute_dtype) * hw.gemm_fraction * shards
-        self.attn_flops_s = hw.peak(attn_dtype) * hw.gemm_fraction * shards
-        self.bytes_s = hw.memory_bandwidth_bytes_s * hw.memory_bandwidth_fraction * shards
-        m = model
-        wb = weight_format.bytes_per_param
-        self.dense_weight_bytes = m.dense_linear_params * wb
-        self.expert_bytes = m.expert_params * wb
-        self.lm_head_bytes = m.lm_head_params * wb
-        self.active_linear_flops_per_token = 2.0 * m.active_linear_params
-        self.lm_head_flops_per_token = 2.0 * m.lm_head_params
-        self.act_bytes_per_token = ACT_BYTES * m.num_layers * 4 * m.hidden_size  # in/out of attn and MLP blocks
-        # attention: QK^T and PV per query token per cached token, summed over heads, per layer
-        self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim)
-        self.kv_bytes_layer = m.kv_bytes_per_token_layer(kv_elem_bytes)
-        self.full_layers = m.num_full_attention_layers
-        self.sliding_layers = m.num_sliding_layers
-        self.window = m.sliding_window
-        self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
-        self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
-        # Expert parallelism: each MoE layer's all-reduce becomes an all-to-all dispatch + combine of every
-        # token's top-k hidden states, (ep-1)/ep of them leaving the device (DeepSpeed-MoE / vLLM EP design).
-        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1) else 0
-        if self.num_all_to_all:
-            self.num_allreduce -= m.num_moe_layers
-        self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
-        self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
-        self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * m.num_layers
-        # engine terms (cost/calibrated.py): software latency of one all-reduce's 2(tp-1) ring hops, achieved link
-        # bandwidth, and a fixed latency per layer per step
-        self.allreduce_call_s = hw.link_latency_s + 2 * (tp - 1) * timing.allreduce_hop_latency_s
-        self.allreduce_link_bytes_s = hw.link_bandwidth_bytes_s * timing.allreduce_bandwidth_fraction
-        self.layers_latency_s = m.num_layers * timing.layer_latency_s
-        # per-step constants of `step`, summed in its order
-        self.step_weight_bytes = self.dense_weight_bytes + self.lm_head_bytes  # read once a step, MoE experts apart
-        self.any_comm = bool(self.num_allreduce or self.num_all_to_all or pp > 1)
-        self.moe = bool(m.num_experts)
+    g_linear: float            # gemm_fraction at the weights' compute dtype
+    g_lm_head: float
+    g_attn: float
+    memory_fraction: float
+    kernel_floor_s: float
+    allreduce_latency_s: float
+    link_fraction: float
 
-    def experts_touched(self, tokens: int) -> float:
-        """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing)."""
-        m = self.model
-        if not m.num_experts or tokens <= 0:
-            return 0.0
-        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
+    @staticmethod
+    def of(work: StepWork, hw: Hardware, *, custom_allreduce: bool) -> DeviceTerms:
+        return DeviceTerms(
+            g_linear=hw.gemm_fraction(work.compute_dtype), g_lm_head=hw.gemm_fraction(work.lm_head_dtype),
+            g_attn=hw.gemm_fraction(work.attn_dtype), memory_fraction=hw.memory_bandwidth_fraction,
+            kernel_floor_s=hw.kernel_floor_s, allreduce_latency_s=hw.allreduce_latency_s(custom_allreduce),
+            link_fraction=hw.link_bandwidth_fraction)
 
-    def step(self, shape: BatchShape) -> StepCost:
-        """Price one forward pass."""
-        # attention: prefill chunks are compute-heavy, decodes read every cached token's KV
-        prefill = 0
-        chunks = shape.prefill_chunks
-        pairs = kv_tokens_read = float(shape.decode_context_tokens)
-        for c, k in chunks:
-            prefill += c
-            pairs += c * (k + c / 2.0)
-            kv_tokens_read += k + c
-        num_decode = shape.num_decode
-        tokens = prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode)
-        lin_mem, lin_cmp = self._linear_s(tokens, shape.num_logits)
-        bytes_s = self.bytes_s
-        attn_bytes = kv_tokens_read * self.kv_bytes_layer * self.full_layers
-        attn_flops = pairs * self.attn_flops_per_pair * self.full_layers
-        if self.sliding_layers:
-            w = self.window
-            mean_ctx = shape.decode_context_tokens / max(num_decode, 1)
-            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in chunks)
-            sl_pairs += num_decode * min(w, mean_ctx)
-            sl_read = sum(min(k + c, w) for c, k in chunks) + num_decode * min(w, mean_ctx)
-            attn_flops += sl_pairs * self.attn_flops_per_pair * self.sliding_layers
-            attn_bytes += sl_read * self.kv_bytes_layer * self.sliding_layers
-        att_cmp = attn_flops / self.attn_flops_s
-        att_mem = attn_bytes / bytes_s
-        compute_s = (lin_cmp if lin_cmp >= lin_mem else 0.0) + (att_cmp if att_cmp >= att_mem else 0.0)
-        memory_s = (lin_mem if lin_mem > lin_cmp else 0.0) + (att_mem if att_mem > att_cmp else 0.0)
-        comm_s = self._comm_s(tokens) if self.any_comm else 0.0
-        t = self.timing
-        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
-        # CUDA graph: one replay launch; eager: the host enqueues kernels ahead of the GPU, the longer one wins
-        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else max(gpu_s, self.launch_s)
-        host_extra_s = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
-        seconds = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
-        return StepCost(seconds, compute_s, memory_s, comm_s, seconds - compute_s - memory_s - comm_s)
 
-    def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
-        """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
-        decode step), in one numpy pass: one row (seconds, compute_s, memory_s, comm_s, overhead_s) per context, bit
-        for bit `step`'s (the same operations in the same order; tests/test_cost_roofline.py)."""
-        if shape.prefill_chunks:
-            raise ValueError("decode_steps prices decode-only shapes")
-        num_decode = shape.num_decode
-        tokens = shape.padded_decode if shape.padded_decode > num_decode else num_decode
-        lin_mem, lin_cmp = self._linear_s(tokens, shape.num_logits)
-        bytes_s = self.bytes_s
-        ctx = contexts.astype(np.float64)
-        attn_bytes = ctx * self.kv_bytes_layer * self.full_layers
-        attn_flops = ctx * self.attn_flops_per_pair * self.full_layers
-        if self.sliding_layers:
-            read = num_decode * np.minimum(self.window, contexts / max(num_decode, 1))
-            attn_flops += read * self.attn_flops_per_pair * self.sliding_layers
-            attn_bytes += read * self.kv_bytes_layer * self.sliding_layers
-        att_cmp = attn_flops / self.attn_flops_s
-        att_mem = attn_bytes / bytes_s
-        out = np.empty((len(contexts), 5))
-        compute_s = out[:, 1] = (lin_cmp if lin_cmp >= lin_mem else 0.0) + np.where(att_cmp >= att_mem, att_cmp, 0.0)
-        memory_s = out[:, 2] = (lin_mem if lin_mem > lin_cmp else 0.0) + np.where(att_mem > att_cmp, att_mem, 0.0)
-        comm_s = out[:, 3] = self._comm_s(tokens) if self.any_comm else 0.0
-        t = self.timing
-        gpu_s = compute_s + memory_s + comm_s + self.layers_latency_s
-        gpu_total = gpu_s + t.graph_replay_s if shape.cuda_graph else np.maximum(gpu_s, self.launch_s)
-        host_extra_s = t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s
-        seconds = out[:, 0] = gpu_total + t.exposed_host_s(gpu_total, host_extra_s)
-        out[:, 4] = seconds - compute_s - memory_s - comm_s
-        return out
+TERM_NAMES = tuple(f.name for f in fields(DeviceTerms))
 
-    def _linear_s(self, tokens: int, num_logits: int) -> tuple[float, float]:
-        """Linear layers and LM head of one step, (memory-bound s, compute-bound s): the weights are read once a step
-        (MoE: the experts `tokens` tokens touch), the FLOPs are per token."""
-        weight_bytes = self.step_weight_bytes
-        if self.moe:
-            weight_bytes += self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
-        return ((weight_bytes + tokens * self.act_bytes_per_token) / self.bytes_s,
-                (tokens * self.active_linear_flops_per_token + num_logits * self.lm_head_flops_per_token)
-                / self.linear_flops_s)
 
-    def _comm_s(self, tokens: int) -> float:
-        """Communication of one step: tensor-parallel all-reduces, expert-parallel all-to-alls, pipeline sends."""
-        comm_s = 0.0
-        if self.num_allreduce:
-            comm_s = self.num_allreduce * (self.allreduce_call_s + self.ring_factor * tokens
-                                           * self.allreduce_bytes_per_token / self.allreduce_link_bytes_s)
-        if self.num_all_to_all:
-            comm_s += self.num_all_to_all * (self.hw.link_latency_s + tokens * self.a2a_bytes_per_token
-                                             / self.hw.link_bandwidth_bytes_s)
-        if self.pp > 1:
-            comm_s += (self.pp - 1) * (self.hw.link_latency_s
-                                       + tokens * self.allreduce_bytes_per_token / self.hw.link_bandwidth_bytes_s)
-        return comm_s
+def bound(c, m, g: float, mb: float, maximum=max):
+    """(seconds, compute-bound part, memory-bound part) of one op from its seconds at efficiency 1."""
+    cs, ms = c / g, m / mb
+    cb = cs >= ms
+    return maximum(cs, ms), cs * cb, ms * (cs < ms)
+
+
+def price(f: dict, t, maximum=np.maximum):
+    """(gpu, compute, memory, comm) seconds of steps with features `f` at terms `t` (a DeviceTerms, or any object
+    with its fields as floats or per-step arrays)."""
+    mb = t.memory_fraction
+    lin, lin_c, lin_m = bound(f["lin_c"], f["lin_m"], t.g_linear, mb, maximum)
+    lm, lm_c, lm_m = bound(f["lm_c"], f["lm_m"], t.g_lm_head, mb, maximum)
+    pre, pre_c, pre_m = bound(f["pre_c"], f["pre_m"], t.g_attn, mb, maximum)
+    dec, dec_c, dec_m = bound(f["dec_c"], f["dec_m"], t.g_attn, mb, maximum)
+    compute = lin_c + lm_c + pre_c + dec_c + f["meas_c"]
+    memory = lin_m + lm_m + pre_m + dec_m + f["elem_m"] / mb + f["meas_m"]
+    comm = f["ar_calls"] * t.allreduce_latency_s + f["ar_link"] / t.link_fraction + f["comm_fixed"] + f["meas_comm"]
+    return compute + memory + comm + f["floors"] * t.kernel_floor_s, compute, memory, comm
+
+
+def empty_features(like) -> dict:
+    """Zero features shaped like `like` (one array per feature: callers fill them in place)."""
+    zero = 0.0 * np.asarray(like, dtype=float)
+    return {k: zero.copy() for k in FEATURES}
+
+
+class RooflineKernels:
+    """GPU seconds of the op list of `work` at the device terms `terms` (see the module docstring)."""
+
+    measured = False
+
+    def __init__(self, work: StepWork, terms: DeviceTerms):
+        self.work, self.terms = work, terms
+        hw = work.hw
+        self.linear_peak = hw.peak(work.compute_dtype)
+        self.lm_head_peak = hw.peak(work.lm_head_dtype)
+        self.attn_peak = hw.peak(work.attn_dtype)
+        self.bandwidth = hw.memory_bandwidth_bytes_s
+        self.link_latency_s = hw.link_latency_s
+        self.link_bandwidth = max(hw.link_bandwidth_bytes_s, 1.0)
+        self.fallbacks: dict[str, str] = {}
+
+    def describe(self) -> str:
+        return "roofline"
+
+    # ---- features -------------------------------------------------------------------------------------------
+    def token_features(self, tokens: np.ndarray) -> dict:
+        """Features of the ops that depend only on the step's token count: the layers' GEMMs, the elementwise
+        kernels and their floors, and the communication."""
+        w = self.work
+        f = empty_features(tokens)
+        flops, nbytes = w.linear(tokens)
+        f["lin_c"], f["lin_m"] = flops / self.linear_peak, nbytes / self.bandwidth
+        f["elem_m"] = w.elementwise_bytes(tokens) / self.bandwidth
+        f["floors"] = f["floors"] + w.token_kernels
+        if w.num_allreduce:
+            f["ar_calls"] = f["ar_calls"] + w.num_allreduce
+            f["ar_link"] = w.num_allreduce * w.allreduce_bytes(tokens) / self.link_bandwidth
+        f["comm_fixed"] = self.other_comm(tokens)
+        return f
+
+    def other_comm(self, tokens):
+        """Expert-parallel dispatch/combine and pipeline hand-offs of one step, at the link's latency and rate."""
+        w = self.work
+        s = 0.0 * tokens
+        if w.num_all_to_all:
+            s = s + w.num_all_to_all * (self.link_latency_s + tokens * w.a2a_bytes_per_token / self.link_bandwidth)
+        if w.pp > 1:
+            s = s + (w.pp - 1) * (self.link_latency_s + tokens * w.allreduce_bytes_per_token / self.link_bandwidth)
+        return s
+
+    def logit_features(self, logits: np.ndarray) -> dict:
+        f = empty_features(logits)
+        flops, nbytes = self.work.lm_head(logits)
+        f["lm_c"], f["lm_m"] = flops / self.lm_head_peak, nbytes / self.bandwidth
+        f["floors"] = f["floors"] + (logits > 0)
+        return f
+
+    def attention_features(self, prefill_chunks: list[list[tuple[int, int]]], num_decode: np.ndarray,
+                           context_tokens: np.ndarray) -> dict:
+        """Features of the attention ops of many steps (their prefill chunks, decodes and decode contexts)."""
+        f = empty_features(num_decode)
+        for i, chunks in enumerate(prefill_chunks):
+            if chunks:
+                f["pre_c"][i], f["pre_m"][i], f["floors"][i] = self._prefill_work(chunks)
+        dc, dm = self._decode_work(num_decode, context_tokens)
+        f["dec_c"], f["dec_m"] = dc, dm
+        f["floors"] = f["floors"] + self.work.model.num_layers * (num_decode > 0)
+        return f
+
+    def _prefill_work(self, chunks):
+        flops, nbytes = self.work.prefill_attention(chunks)
+        return flops / self.attn_peak, nbytes / self.bandwidth, float(self.work.model.num_layers)
+
+    def _decode_work(self, num_decode, context_tokens):
+        flops, nbytes = self.work.decode_attention(num_decode, context_tokens)
+        return flops / self.attn_peak, nbytes / self.bandwidth
+
+    # ---- seconds ----------------------------------------------------------------------------------------------
+    def tokens(self, tokens: np.ndarray):
+        """(gpu, compute, memory, comm, measured) seconds of the token-count ops, per token count."""
+        f = self.token_features(tokens)
+        return (*price(f, self.terms), f["meas_c"] + f["meas_m"] + f["meas_comm"])
+
+    def logits(self, logits: np.ndarray):
+        """(gpu, compute, memory, measured) seconds of the LM head for `logits` tokens."""
+        f = self.logit_features(logits)
+        gpu, compute, memory, _ = price(f, self.terms)
+        return gpu, compute, memory, f["meas_c"] + f["meas_m"]
+
+    def prefill(self, chunks: list[tuple[int, int]]):
+        """(gpu, compute, memory, measured) seconds of the prefill chunks' attention (one kernel per layer)."""
+        c, m, kernels = self._prefill_work(chunks)
+        t = self.terms
+        s, cs, ms = bound(c, m, t.g_attn, t.memory_fraction)
+        return s + kernels * t.kernel_floor_s, cs, ms, 0.0
+
+    def decode(self, num_decode, context_tokens, maximum=max):
+        """(gpu, compute, memory, measured) seconds of the decodes' attention (one kernel per layer)."""
+        c, m = self._decode_work(num_decode, context_tokens)
+        t = self.terms
+        s, cs, ms = bound(c, m, t.g_attn, t.memory_fraction, maximum)
+        return s + self.work.model.num_layers * t.kernel_floor_s, cs, ms, 0.0 * s

@@ -5,6 +5,19 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+# Priors of host time per sequence in a step (sampling bookkeeping, stop checks, incremental detokenisation, handing the
+# token to the frontend). ESTIMATE for Python engine loops: vLLM RFC #6854 measured 4-13 ms of GPU idle per V0 decode
+# step, about 15-50 us per sequence at the batch of a few hundred it profiled; a native (C++) output path a quarter.
+PYTHON_SEQ_CPU_S = 20e-6
+NATIVE_SEQ_CPU_S = 5e-6
+# Priors of the frontend's latency per request (HTTP parsing, tokenising a few hundred tokens at ~2 us each, handing
+# the request to the engine process over ZMQ/gRPC, and detokenising and streaming the first token back). ESTIMATE:
+# a Python server (vLLM, SGLang, TensorRT-LLM's trtllm-serve, LMDeploy api_server) about 3 ms; a native one
+# (TGI's Rust router, llama.cpp's server) about 1 ms. Tokenising speed: ~500k tokens/s per core (MiniMax-M2.5 agentic
+# trace study on vLLM 0.19, andyluo7.github.io 2026-05-14).
+PYTHON_FRONTEND_S = 3e-3
+NATIVE_FRONTEND_S = 1e-3
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineTiming:
@@ -20,11 +33,11 @@ class EngineTiming:
     cuda_graph_sizes: tuple[int, ...] = ()   # captured decode batch sizes (sorted); empty = eager always
     graph_padding: bool = True        # pad a decode batch up to the next captured size
     graph_mixed_steps: bool = False   # piecewise graphs also cover prefill/mixed steps
-    # Calibrated terms (simengine/engines/calibration.yaml, `simengine calibrate`); these defaults add nothing.
-    layer_latency_s: float = 0.0      # fixed latency per layer per step (inter-kernel gaps of an unfused stack)
-    allreduce_hop_latency_s: float = 0.0      # software latency per ring hop of one tensor-parallel all-reduce
-    allreduce_bandwidth_fraction: float = 1.0  # achieved / nominal link bandwidth of the engine's all-reduce
+    custom_allreduce: bool = False    # tensor-parallel all-reduce by the engine's own one-shot kernels (NVLink), not
+                                      # the collective library (NCCL): the device's custom_allreduce_latency_us
     seq_cpu_s: float = 0.0            # host time per sequence in the step (sampling, stop checks, detokenising)
+    frontend_s: float = 0.0           # per request: the serving frontend's parsing, tokenising and IPC to the engine
+                                      # and the first token's way back (sim/runner.py delays arrivals by it)
 
     def graph_for(self, num_decode: int, pure_decode: bool) -> tuple[bool, int]:
         """(uses a graph, padded decode batch) for a step with `num_decode` decodes."""
@@ -45,7 +58,7 @@ class EngineTiming:
         if not self.overlap:
             return cpu
         excess = cpu - gpu_s
-        return excess * (excess > 0.0)  # max(0, excess), elementwise too (RooflineCost.decode_steps)
+        return excess * (excess > 0.0)  # max(0, excess), elementwise too (arrays of steps)
 
 
 _SET_CACHE: dict[tuple[int, ...], frozenset[int]] = {}

@@ -45,6 +45,9 @@ class EnginePolicy(ABC):
     supports_expert_parallel: ClassVar[bool] = False
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False
+    # whose measured kernel tables price the engine's GPU work (cost/measured.py): its own backend, or the nearest
+    # one whose kernels it shares; None for engines with kernels of their own no table measured (the roofline)
+    kernel_backend: ClassVar[str | None] = None
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)

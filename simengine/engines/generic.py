@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
@@ -50,6 +50,7 @@ class GenericEngine(PagedEngine):
 
     Params = GenericParams
     vendors = ALL_VENDORS
+    kernel_backend = "vllm"  # nearest measured backend: a PyTorch stack with cuBLAS GEMMs and flash-attention kernels
     device_classes = ALL_CLASSES
     support_source = "an abstraction, not a product: stands for an unnamed stack on any device (docs/validation.md)"
 
@@ -72,6 +73,7 @@ class GenericEngine(PagedEngine):
         p = self.params
         # Synchronous loop, eager kernels: every host second is exposed and no CUDA graph is replayed.
         return EngineTiming(scheduler_cpu_s=p.scheduler_cpu_s, output_cpu_s=p.output_cpu_s, overlap=False,
+                            seq_cpu_s=PYTHON_SEQ_CPU_S,
                             cuda_graph_sizes=())
 
     # ---- queues -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 from simengine.config.loader import check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
@@ -166,9 +166,9 @@ class LlamaCppEngine(EnginePolicy):
             # ~0.3 ms (llama.cpp prints "graphs reused"; the graph is rebuilt only when its shape changes).
             scheduler_cpu_s=0.3e-3,
             # ESTIMATE: CPU sampling of one token: logits copy plus the default chain (penalties, top-k 40,
-            # top-p, min-p, temp) builds a vocabulary-sized candidate array, ~2 ns per entry (0.26 ms at 128k).
-            # Charged once per step; the shared EngineTiming has no per-sampled-token term.
-            output_cpu_s=2e-9 * self.dep.model.vocab_size,
+            # top-p, min-p, temp) builds a vocabulary-sized candidate array, ~2 ns per entry (0.26 ms at 128k),
+            # once per sequence in the step; the slot and response bookkeeping of the server ~0.1 ms a step.
+            output_cpu_s=0.1e-3, seq_cpu_s=2e-9 * self.dep.model.vocab_size, frontend_s=NATIVE_FRONTEND_S,
             overlap=False,                                  # one thread: schedule, decode, sample in sequence
             kernel_launch_s=launch_cost_s(hw),
             kernels_per_layer=18,  # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention

@@ -17,7 +17,7 @@ from typing import Literal
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
@@ -48,6 +48,8 @@ class OrcaParams:
 class OrcaEngine(PagedEngine):
     Params = OrcaParams
     vendors = ALL_VENDORS
+    # nearest measured backend: modelled on a PyTorch stack with cuBLAS GEMMs and flash-attention kernels
+    kernel_backend = "vllm"
     device_classes = ALL_CLASSES
     support_source = ("research policy (OSDI'22; the system was never released): modelled as a scheduling policy "
                       "on any accelerator, as Vidur and Sarathi-Serve reimplement it")
@@ -69,7 +71,8 @@ class OrcaEngine(PagedEngine):
         # ESTIMATE: a Python scheduler and input preparation ~1 ms and sampling/output handling ~0.5 ms per
         # iteration, not overlapped (Orca's scheduler waits for each batch on a single worker; Sarathi-Serve's
         # engine loop is synchronous). No CUDA graphs (sarathi-serve model_runner.py captures none).
-        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=False, cuda_graph_sizes=())
+        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=False, cuda_graph_sizes=(),
+                            seq_cpu_s=PYTHON_SEQ_CPU_S)
 
     # ---- queues -------------------------------------------------------------------------------------
     def reservation(self, req: Request) -> int:

@@ -16,7 +16,7 @@ from operator import attrgetter
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
@@ -51,6 +51,7 @@ class SarathiParams:
 class SarathiEngine(PagedEngine):
     Params = SarathiParams
     vendors = ALL_VENDORS
+    kernel_backend = "vllm"  # nearest measured backend: sarathi-serve is built on vLLM's kernels
     device_classes = ALL_CLASSES
     support_source = ("research policy (OSDI'24, microsoft/sarathi-serve runs on NVIDIA CUDA only); modelled "
                       "as a scheduling policy on any accelerator, like its Vidur reimplementation")
@@ -77,7 +78,8 @@ class SarathiEngine(PagedEngine):
         # ESTIMATE: sarathi-serve is a vLLM-0.2-era Python engine: scheduling + input preparation ~1 ms and
         # sampler + output processing ~1 ms per iteration, with no overlap (the base engine loop is synchronous)
         # and no CUDA graphs (model_runner.py captures none).
-        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False, cuda_graph_sizes=())
+        return EngineTiming(scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False, cuda_graph_sizes=(),
+                            seq_cpu_s=PYTHON_SEQ_CPU_S)
 
     # ---- queues -------------------------------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> bool:

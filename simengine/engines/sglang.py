@@ -18,7 +18,7 @@ from typing import Literal
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -119,6 +119,7 @@ class _Adder:
 class SglangEngine(RadixCacheViews, EnginePolicy):
     Params = SglangParams
     vendors = frozenset({"nvidia", "amd", "huawei"})
+    kernel_backend = "sglang"  # SGLang's own kernels (aiconfigurator-core's sglang tables)
     support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
                       "sgl-kernel-npu ('Ascend NPUs' platform page)")
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
@@ -167,9 +168,11 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             # per step; with the overlap scheduler (on by default) it runs while the GPU computes the previous
             # batch ('zero-overhead batch scheduler', SGLang v0.4 blog, Dec 2024), so only the excess shows.
             scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=not p.disable_overlap_schedule,
+            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             cuda_graph_sizes=() if p.disable_cuda_graph else sglang_decode_graph_sizes(self.graph_max_bs),
             # prefill CUDA graphs up to chunked_prefill_size tokens (memory_hook.py prefill max_bs)
-            graph_padding=True, graph_mixed_steps=not p.disable_cuda_graph and self.chunked_prefill_size > 0)
+            graph_padding=True, graph_mixed_steps=not p.disable_cuda_graph and self.chunked_prefill_size > 0,
+            custom_allreduce=True)  # --disable-custom-all-reduce defaults to False (server_args.py)
 
     # ---- queues -------------------------------------------------------------------------------------
     def num_running(self) -> int:

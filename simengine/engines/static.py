@@ -19,7 +19,7 @@ from typing import Literal
 from simengine.config.loader import check_positive
 from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
@@ -44,6 +44,8 @@ class StaticParams:
 class StaticEngine(EnginePolicy):
     Params = StaticParams
     vendors = ALL_VENDORS
+    # nearest measured backend: PyTorch/transformers GEMMs are cuBLAS, attention SDPA/flash-attention
+    kernel_backend = "vllm"
     device_classes = ALL_CLASSES
     support_source = ("research/baseline policy, not a product: PyTorch + transformers run on CUDA, ROCm, Ascend "
                       "(torch_npu), Apple MPS, Intel XPU/Gaudi and CPUs (transformers installation docs)")
@@ -70,7 +72,7 @@ class StaticEngine(EnginePolicy):
         return EngineTiming(
             # ESTIMATE: generate's per-step Python (prepare_inputs_for_generation, mask/cache bookkeeping) ~1 ms
             # and logits processors + sampling + stopping criteria with a host sync ~1 ms.
-            scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False,
+            scheduler_cpu_s=1.0e-3, output_cpu_s=1.0e-3, overlap=False, seq_cpu_s=PYTHON_SEQ_CPU_S,
             # ESTIMATE: eager HF Llama layer ~40 ops (RMSNorm as 6 ops twice, 3 separate q/k/v GEMMs, rotate_half
             # RoPE ~10 ops, SDPA, o_proj, gate/up/act/mul/down, 2 residuals) at ~25 us of PyTorch dispatch each:
             # ~32 ms per Llama-7B step, matching the 25.5 tok/s PyTorch measured for a plain eager Llama-2-7B

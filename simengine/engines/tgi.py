@@ -20,7 +20,7 @@ from typing import Literal
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -86,6 +86,8 @@ class _Entry:
 class TgiEngine(RadixCacheViews, EnginePolicy):
     Params = TgiParams
     vendors = frozenset({"nvidia", "amd", "intel"})
+    # nearest measured backend: TGI's CUDA path runs cuBLAS GEMMs and flash-attention/paged kernels shared with vLLM
+    kernel_backend = "vllm"
     support_source = ("TGI docs 'Supported hardware': NVIDIA CUDA, AMD ROCm (MI210/MI250/MI300), Intel Gaudi "
                       "(tgi-gaudi backend) and Intel GPUs; also AWS Inferentia (out of scope here)")
 
@@ -126,7 +128,8 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
             # stopping criteria and incremental detokenization in Python for tens of requests, plus the router's
             # filter_batch RPC (tgi_batch_concat/filter_duration are timed separately, backend.rs). Nothing
             # overlaps the GPU (engines.md §3.4); design.md of TRT-LLM puts exposed host costs at 3-17 ms.
-            scheduler_cpu_s=1.5e-3, output_cpu_s=2.0e-3, overlap=False,
+            scheduler_cpu_s=1.5e-3, output_cpu_s=2.0e-3, overlap=False, seq_cpu_s=PYTHON_SEQ_CPU_S,
+            frontend_s=NATIVE_FRONTEND_S,
             cuda_graph_sizes=tuple(sorted(s for s in self.params.cuda_graphs if s > 0)),
             graph_padding=True, graph_mixed_steps=False)   # graphs for decode-only forwards (flash_causal_lm.py)
 

@@ -22,7 +22,7 @@ from typing import Literal
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -100,6 +100,7 @@ class _Budget:
 class TrtllmEngine(PagedEngine):
     Params = TrtllmParams
     vendors = frozenset({"nvidia"})
+    kernel_backend = "trtllm"  # TensorRT-LLM's own kernels (aiconfigurator-core's trtllm tables)
     device_classes = frozenset({"datacenter", "workstation", "consumer", "edge"})
     support_source = ("TensorRT-LLM docs 'Supported hardware' (NVIDIA GPUs only: Blackwell, Hopper, Ada, Ampere; "
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
@@ -137,9 +138,11 @@ class TrtllmEngine(PagedEngine):
             # plus input preparation costs about the compiled figure; response handling (_process_previous_batch,
             # stop checks, hand-off to the serve process) ~1 ms. Hidden by the overlap scheduler when it is on.
             scheduler_cpu_s=2.89e-3, output_cpu_s=1.0e-3, overlap=self.overlap,
+            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,  # responses in the 1.x Python PyExecutor
             cuda_graph_sizes=trtllm_capture_sizes(p.cuda_graph_max_batch_size, p.cuda_graph_enable_padding)
             if p.cuda_graph_config else (),
-            graph_padding=p.cuda_graph_enable_padding, graph_mixed_steps=False)  # generation-only batches
+            graph_padding=p.cuda_graph_enable_padding, graph_mixed_steps=False,  # generation-only batches
+            custom_allreduce=True)  # allreduce_strategy AUTO picks its one-/two-shot NVLink kernels (llm_args.py)
 
     # ---- queues -------------------------------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> bool:

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 from simengine.config.loader import check_fraction, check_positive
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -42,10 +42,13 @@ class VllmParams:
     enforce_eager: bool = False                # disables CUDA graphs
     async_scheduling: bool = True              # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU
     kv_cache_memory_bytes: int | None = None   # overrides the gpu_memory_utilization rule
+    # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
+    # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "num_scheduler_steps"):
             check_positive(getattr(self, name), name)
         check_positive(self.long_prefill_token_threshold, "long_prefill_token_threshold", allow_zero=True)
         check_positive(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
@@ -74,6 +77,7 @@ def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
 class VllmEngine(PagedEngine):
     Params = VllmParams
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
+    kernel_backend = "vllm"  # vLLM's own kernels (aiconfigurator-core's vllm tables)
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
     supports_pipeline_microbatches = True  # v1/engine/core.py step_with_batch_queue: pp batches in flight
@@ -138,16 +142,20 @@ class VllmEngine(PagedEngine):
         self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
         self.spare: list[int] = []          # blocks taken for counted members, not yet in their tables
         self.cohort_in_flight = 0           # 1 between a step that carried the cohort and its update
+        self.multi_step_left = 0            # num_scheduler_steps > 1: decode steps left in the current run
 
     def make_timing(self) -> EngineTiming:
         p = self.params
         return EngineTiming(
             # ESTIMATE: V1 EngineCore schedule + input prep ~1 ms and output processing ~0.5 ms per step at
-            # moderate batch (vLLM V1 blog, Jan 2025: CPU overheads hidden by async scheduling/busy loop).
-            scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=p.async_scheduling,
+            # moderate batch (vLLM V1 blog, Jan 2025: CPU overheads hidden by async scheduling/busy loop); a
+            # multi-step run schedules once for all its steps.
+            scheduler_cpu_s=1.0e-3 / p.num_scheduler_steps, output_cpu_s=0.5e-3, overlap=p.async_scheduling,
+            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             cuda_graph_sizes=() if p.enforce_eager else vllm_capture_sizes(self.max_num_seqs,
                                                                            self.max_num_batched_tokens),
-            graph_padding=True, graph_mixed_steps=not p.enforce_eager)  # FULL_AND_PIECEWISE
+            graph_padding=True, graph_mixed_steps=not p.enforce_eager,  # FULL_AND_PIECEWISE
+            custom_allreduce=True)  # ParallelConfig.disable_custom_all_reduce defaults to False (config/parallel.py)
 
     # ---- queues -------------------------------------------------------------------------------------
     def num_waiting(self) -> int:
@@ -183,7 +191,8 @@ class VllmEngine(PagedEngine):
         if exact:
             budget = self._schedule_running(out, now)
         num_running = len(self.running)
-        if not out.preempted:
+        in_run = self.multi_step_left > 0   # a multi-step run admits nobody until it ends
+        if not out.preempted and not in_run:
             self._schedule_waiting(out, budget, now)
         if self.lazy:  # the admitted join the others at the end of the running order (all of running after the loop)
             self._order(self.running if exact else self.running[num_running:], fresh=exact)
@@ -192,6 +201,9 @@ class VllmEngine(PagedEngine):
             self.cohort_in_flight = 1 if out.num_lazy else 0  # until update: members hold this step's blocks
         else:
             out.shape = self.make_shape(out.scheduled)
+        if self.params.num_scheduler_steps > 1:   # a decode-only step starts a run of num_scheduler_steps
+            self.multi_step_left = (self.multi_step_left - 1 if in_run else
+                                    0 if out.shape.prefill_chunks else self.params.num_scheduler_steps - 1)
         if self.dep.pp > 1:
             self.in_flight.update(r.request_id for r, _ in out.scheduled)
         return out

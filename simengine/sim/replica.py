@@ -9,7 +9,7 @@ import simpy
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
-from simengine.cost.roofline import RooflineCost, StepCost
+from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.metrics.recorder import STEP_FIELDS, Recorder
 
@@ -19,7 +19,7 @@ REPEAT_WINDOW = 512  # repeats priced per landing check: bounds the work when a 
 class Replica:
     """Runs one engine policy. Idle, it parks on an event that `submit` triggers (no polling)."""
 
-    def __init__(self, env: simpy.Environment, index: int, engine: EnginePolicy, cost: RooflineCost,
+    def __init__(self, env: simpy.Environment, index: int, engine: EnginePolicy, cost: CostModel,
                  recorder: Recorder, on_done: Callable[[Request, int], None], *, check_invariants: bool = False):
         self.env, self.index, self.engine, self.cost = env, index, engine, cost
         self.recorder, self.on_done = recorder, on_done
@@ -117,8 +117,8 @@ class Replica:
         rows[:, 3:8] = (n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
         rows[:, 8] = usages
         rows[:, 9] = len(out.preempted)
-        rows[:, 10:15] = costs
-        rows[:, 15] = shape.cuda_graph
+        rows[:, 10:16] = costs
+        rows[:, 16] = shape.cuda_graph
         self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
         if self.check:
             engine.check_invariants()
@@ -130,7 +130,8 @@ class Replica:
         shape = out.shape
         self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
                             engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
-                            c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, shape.cuda_graph),
+                            c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, c.measured_s,
+                            shape.cuda_graph),
                            now, res.itl_groups)
         if self.check:
             engine.check_invariants()

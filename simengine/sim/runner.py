@@ -13,8 +13,11 @@ from simengine.config.loader import from_dict
 from simengine.config.model import load_model
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.request import Request, Status
-from simengine.cost.calibrated import apply_terms, read_engine_terms
-from simengine.cost.roofline import RooflineCost
+from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
+from simengine.cost.measured import MeasuredKernels, data_root, systems
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.step import CostModel
+from simengine.cost.work import StepWork
 from simengine.engines import ENGINES, EnginePolicy
 from simengine.engines.memory import Deployment
 from simengine.errors import InputError
@@ -70,15 +73,23 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     return cls(params, dep)
 
 
-def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0) -> RooflineCost:
-    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy),
-    with the engine's calibrated overhead terms from simengine/engines/calibration.yaml applied
-    (`simengine calibrate`, docs/validation.md); an engine without calibrated terms gets the plain roofline."""
+def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: str = "auto") -> CostModel:
+    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy):
+    measured kernels of the engine's backend where the device has tables and `kernels` is auto, else the roofline
+    at the device's physical terms; the engine's timing with its calibrated terms from
+    simengine/engines/calibration.yaml (`simengine calibrate`, docs/validation.md) in place of its priors."""
     engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
     d = engine.dep
-    return RooflineCost(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                        tp=d.tp, pp=d.pp, timing=timing, grammar_mask_s=grammar_mask_s,
-                        expert_parallel=d.expert_parallel)
+    work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
+                    pp=d.pp, expert_parallel=d.expert_parallel)
+    hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
+    terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
+    system, backend = d.hardware.kernel_tables, engine.kernel_backend
+    if kernels == "auto" and system and backend and data_root() is not None and system in systems():
+        gpu = MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
+    else:
+        gpu = RooflineKernels(work, terms)
+    return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s)
 
 
 @dataclass
@@ -110,8 +121,12 @@ class Runner:
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
         self.replicas = [
-            self._replica(i, eng, cost_model(eng, wl.structured_output.mask_s), check_invariants)
+            self._replica(i, eng, cost_model(eng, wl.structured_output.mask_s,
+                                             kernels=scenario.deployment.cost_model), check_invariants)
             for i, eng in enumerate(self.engines)]
+        # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
+        # of the first token's way back: every request reaches the engine this much after it was sent
+        self.frontend_s = self.engines[0].timing.frontend_s
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
         self.sources_open = 0
@@ -128,10 +143,13 @@ class Runner:
     def submit(self, req: Request) -> None:
         self.recorder.arrived += 1
         self.live[req.request_id] = req
+        wait = req.arrival_s + self.frontend_s - self.env.now   # an open loop already waited for it
         if req.structured and self.compile_s:
             # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
             # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
-            self.env.process(self._submit_after(req, self.compile_s))
+            wait += self.compile_s
+        if wait > 0:
+            self.env.process(self._submit_after(req, wait))
             return
         self._route(req)
 
@@ -164,9 +182,10 @@ class Runner:
     # ---- processes --------------------------------------------------------------------------------------
     def _open_loop(self):
         env, horizon = self.env, self.scenario.horizon_s
+        frontend = self.frontend_s
         for req in self.factory.open_loop(horizon if self.scenario.workload.num_requests is None else float("inf")):
-            if req.arrival_s > env.now:
-                yield env.timeout(req.arrival_s - env.now)
+            if req.arrival_s + frontend > env.now:   # the request reaches the engine through the frontend
+                yield env.timeout(req.arrival_s + frontend - env.now)
             self.submit(req)
         self._close_source()
 

@@ -104,13 +104,57 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     return params, ignored
 
 
+# What an engine version ran with that today's defaults change: (engine, versions below, params, source).
+VERSION_KNOBS = (
+    ("vllm", (0, 12), {"async_scheduling": False},
+     "async scheduling became vLLM's default with PR #27614 (the Q4 2025 roadmap's 'async scheduling on by "
+     "default'); the V0 engine never had it"),
+    ("sglang", (0, 4), {"disable_overlap_schedule": True},
+     "SGLang's overlap ('zero-overhead') scheduler shipped in v0.4 (LMSYS blog 2024-12-04)"),
+    ("trtllm", (0, 17), {"disable_overlap_scheduler": True},
+     "the overlap scheduler is a feature of the PyTorch backend (TensorRT-LLM docs features/overlap-scheduler); "
+     "the 0.1x C++ runtime behind Triton stepped synchronously"),
+    ("tgi", (3, 0), {"prefill_chunking": False, "prefix_caching": False},
+     "TGI 3.0 turned on chunked prefill and prefix caching (huggingface/text-generation-inference v3.0.0 release "
+     "notes, 2024-12); 2.x batched new requests by waiting_served_ratio / max_waiting_tokens"),
+    ("lmdeploy", (0, 11), {"async_": 0},
+     "TurboMind's asynchronous execution arrived with the engine refactor of InternLM/lmdeploy PR #4223 "
+     "(2025-12-19); ESTIMATE that releases before 0.11 ran one phase"),
+)
+# how notes name versions: 'vLLM v0.6.0', 'SGLang v0.3.0', 'lmdeploy v0.6.0a0', 'Triton trtllm backend v0.11'
+_VERSION = {"vllm": (r"vllm",), "sglang": (r"sglang",), "lmdeploy": (r"lmdeploy",), "tgi": (r"tgi",),
+            "trtllm": (r"tensorrt-llm", r"trtllm backend")}
+
+
+def engine_version(row: Measurement, engine: str) -> tuple[int, int] | None:
+    """(major, minor) of the engine as the notes name it, or None."""
+    for name in _VERSION.get(engine, ()):
+        m = re.search(rf"(?i)\b{name}\s+v?(\d+)\.(\d+)", row.notes)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def version_params(row: Measurement, engine: str) -> tuple[dict, list[str]]:
+    """Knobs the row's engine version had (VERSION_KNOBS) and the reasons."""
+    version = engine_version(row, engine)
+    params, why = {}, []
+    for eng, below, knobs, source in VERSION_KNOBS:
+        if eng == engine and version is not None and version < below:
+            params.update(knobs)
+            why.append(f"{engine} {version[0]}.{version[1]}: {knobs} ({source})")
+    return params, why
+
+
 def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
-    """(engine params, note) the row's benchmark tool and quoted engine flags set; ({}, '') when none."""
+    """(engine params, note) the row's benchmark tool, engine version and quoted engine flags set; ({}, '')."""
     tool = "trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source   # perf-overview uses it
     if engine == "trtllm" and tool and row.input_len and row.output_len:
         p = trtllm_bench_params(row)
         return p, f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}"
-    params, ignored = quoted_flags(row, engine)
-    notes = [f"engine flags from the notes: {params}" if params else "",
+    params, why = version_params(row, engine)
+    flags, ignored = quoted_flags(row, engine)
+    params.update(flags)
+    notes = [*why, f"engine flags from the notes: {flags}" if flags else "",
              f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else ""]
     return params, "; ".join(n for n in notes if n)

@@ -10,11 +10,11 @@ from simengine.cost.calibrated import ENGINE_TERMS_PATH, read_engine_terms
 from simengine.errors import InputError
 
 ENGINE_HEADER = """\
-# Calibrated per-engine overhead terms, written by `simengine calibrate FILE.csv --write` (docs/validation.md).
-# engines.<registry name>.terms: named terms; a name that is an EngineTiming field (scheduler_cpu_s,
-# output_cpu_s, kernel_launch_s, graph_replay_s) replaces that field, the others are the proposed roofline
-# terms (layer_latency_s, allreduce_hop_latency_s, allreduce_bandwidth_fraction, seq_cpu_s) documented in
-# simengine/cost/calibrated.py. The other keys are provenance: rows used, median |error| on them, source, date.
+# Calibrated engine terms, written by `simengine calibrate FILE.csv --write` (docs/validation.md).
+# engines.<registry name>.terms: EngineTiming fields (scheduler_cpu_s, output_cpu_s, seq_cpu_s, kernel_launch_s,
+# graph_replay_s, frontend_s) that replace the engine module's priors; the other keys are provenance: step-time rows
+# used, median |error| on them, source, date (frontend_s comes from the engine's open-loop TTFT rows). An engine
+# without an entry runs on its priors.
 """
 
 
@@ -49,9 +49,17 @@ PROVENANCE_NOTES = {
 }
 
 
-def _replace_value(text: str, key: str, value: float, note: str) -> str:
+def _replace_value(text: str, key: str, value: float, note: str, *, under: str | None = None) -> str:
+    """Set the number on the line `key: N` (the first one after the line `under:` when given), keeping its source
+    comment after `before:`."""
+    start = 0
+    if under:
+        m0 = re.search(rf"^\s+{under}:[ \t]*(#.*)?$", text, re.MULTILINE)
+        if not m0:
+            raise InputError(f"no '{under}:' mapping under efficiency to update", field=f"efficiency.{under}")
+        start = m0.end()
     pat = re.compile(rf"^(\s+{key}:\s*)([0-9.]+)([ \t]*)(#.*)?$", re.MULTILINE)
-    m = pat.search(text)
+    m = pat.search(text, start)
     if not m:
         raise InputError(f"no '{key}:' line under efficiency to update", field=f"efficiency.{key}")
     old_comment = (m.group(4) or "").lstrip("# ").strip()
@@ -75,16 +83,26 @@ def _drop_block(text: str, key: str) -> str:
     return "".join(out)
 
 
-def write_hardware_calibration(path: Path, gemm: float, mem: float, provenance: dict) -> Path:
-    """Set efficiency.{gemm_fraction,memory_bandwidth_fraction} and a `calibration:` mapping; keep comments.
+def write_hardware_calibration(path: Path, values: dict[str, float], provenance: dict) -> Path:
+    """Set the fitted efficiency terms (`gemm_fraction.<dtype key>`, `memory_bandwidth_fraction`,
+    `kernel_floor_s`, written in us) and a `calibration:` mapping; keep every comment.
 
     The result is re-read with the strict loader; on any error the original file is restored.
     """
     original = path.read_text(encoding="utf-8")
     rows = provenance.get("pool_rows", provenance.get("rows"))
     note = f"calibrated {provenance.get('date', '')} ({provenance.get('scope', '')}; {rows} rows)"
-    text = _replace_value(original, "gemm_fraction", gemm, note)
-    text = _replace_value(text, "memory_bandwidth_fraction", mem, note)
+    text = original
+    scalar_gemm = re.search(r"^\s+gemm_fraction:\s*[0-9.]+", text, re.MULTILINE) is not None
+    for name, value in values.items():
+        if name.startswith("gemm_fraction."):
+            key = name.split(".", 1)[1]
+            text = (_replace_value(text, "gemm_fraction", value, note) if scalar_gemm and key == "default"
+                    else _replace_value(text, key, value, note, under="gemm_fraction"))
+        elif name == "kernel_floor_s":
+            text = _replace_value(text, "kernel_floor_us", value * 1e6, note)
+        else:
+            text = _replace_value(text, name, value, note)
     text = _drop_block(text, "calibration").rstrip("\n") + "\n"
     text += "calibration:                   # written by `simengine calibrate` (docs/validation.md)\n"
     for k, v in provenance.items():

@@ -31,9 +31,14 @@ def add_subcommands(subparsers) -> None:
     v.add_argument("--out", default="results/validation", help="folder for validation.csv, skipped.csv and the plot")
     v.add_argument("--jobs", type=_count, default=2, help="worker processes (default 2)")
     v.add_argument("--quiet", action="store_true", help="print only the summary tables, not every row")
+    v.add_argument("--cost-model", choices=("auto", "roofline"), default="auto",
+                   help="auto: measured kernels where tables exist (default); roofline: the roofline everywhere")
     v.set_defaults(handler=cmd_validate)
     c = subparsers.add_parser("calibrate", help="fit the named efficiency and overhead terms to measurements")
-    c.add_argument("file", help="measurements CSV (schema: ../shared/data/validation/README.md)")
+    c.add_argument("files", nargs="+", metavar="file", help="measurements CSVs (schema: "
+                   "../shared/data/validation/README.md), fitted together")
+    c.add_argument("--test", action="append", default=[], metavar="FILE",
+                   help="also report the error on another measurements file with the fitted terms (repeatable)")
     c.add_argument("--write", action="store_true",
                    help="write the fitted terms into hardware/*.yaml and simengine/engines/calibration.yaml")
     c.add_argument("--jobs", type=_count, default=2, help="worker processes (default 2)")
@@ -56,7 +61,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     rows = read_measurements(args.file)
-    results = run_rows(rows, jobs=args.jobs)
+    results = run_rows(rows, jobs=args.jobs, kernels=args.cost_model)
     preds = [r for r in results if isinstance(r, Prediction)]
     skips = [r for r in results if not isinstance(r, Prediction)]
     out = Path(args.out)
@@ -69,9 +74,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from simengine.validate.calibrate import calibrate_file
+    from simengine.validate.calibrate import calibrate_files
 
-    print(calibrate_file(args.file, write=args.write, jobs=args.jobs, cross_validate=not args.no_cv))
+    print(calibrate_files(args.files, write=args.write, jobs=args.jobs, cross_validate=not args.no_cv,
+                          test=args.test))
     return 0
 
 

@@ -120,7 +120,7 @@ def _arrival(row: Measurement) -> dict:
 
 
 def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
-                 params: dict | None = None) -> Scenario:
+                 params: dict | None = None, cost_model: str = "auto") -> Scenario:
     """The row's deployment and request stream as a Scenario (InputError on impossible values)."""
     replicas = row.num_gpus // (row.tp * row.pp)
     n = num_requests or 1
@@ -130,7 +130,8 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
     data = {
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
-                       "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas},
+                       "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas,
+                       "cost_model": cost_model},
         "workload": {"arrival": _arrival(row), "num_requests": n, "input_tokens": lengths[0],
                      "output_tokens": lengths[1]},
         "engines": [{"engine": engine, "params": dict(params or {})}],
@@ -138,7 +139,7 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
     return from_dict(Scenario, data, source="row")
 
 
-def plan_row(row: Measurement) -> Experiment | Skip:
+def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
     """The experiment a row describes, or why it cannot run. The deployment (model, hardware, dtype, memory,
     vendor support) is checked when run.py builds the engine; its InputError becomes the skip reason."""
     engine = engine_name(row)
@@ -158,7 +159,8 @@ def plan_row(row: Measurement) -> Experiment | Skip:
         if row.metric in STEP_METRICS:
             if a.kind not in ("single", "batch"):
                 return Skip(row, f"step metric {row.metric} needs arrival single or batch:B, got {a}")
-            return Experiment(row, "step", engine, scenario_for(row, engine, params=params), params,
+            return Experiment(row, "step", engine, scenario_for(row, engine, params=params, cost_model=cost_model),
+                              params,
                               batch=int(a.value or 1))
         if row.arrival.kind == "batch":
             n = int(a.value)
@@ -171,7 +173,8 @@ def plan_row(row: Measurement) -> Experiment | Skip:
         notes = [x for x in (note, lengths[2]) if x]
         if n is None and a.kind == "offline":
             notes.append("num_requests not stated: steady-state rate")
-        return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params), params,
+        return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params, cost_model),
+                          params,
                           full_requests=n, notes=notes)
     except InputError as exc:
         return Skip(row, str(exc))

@@ -1,138 +1,173 @@
 """Re-price every calibration row for a trial set of named terms, and a small bounded least-squares solver.
 
-All rows' steps are concatenated into flat arrays; each step knows its row, its hardware group and its engine,
-so one numpy pass prices every step and `np.add.reduceat` folds the steps back into each row's metric.
+All rows' recorded steps are concatenated into one set of feature arrays; each step knows its row, its device
+group, the dtype keys of its ops and its engine, so one pass of `features.reprice` prices every step and
+`np.add.reduceat` folds the steps back into each row's metric.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
-from simengine.cost.calibrated import PROPOSED_TERMS
+from simengine.config.hardware import load_hardware
+from simengine.cost.roofline import FEATURES, TERM_NAMES
+from simengine.validate.features import ENGINE_FIELDS, reprice
 from simengine.validate.run import Prediction
 
-HOST_TERMS = ("scheduler_cpu_s", "output_cpu_s")
-TERM_NAMES = (*PROPOSED_TERMS, *HOST_TERMS)
+# device terms calibration may fit, as (hardware YAML name, DeviceTerms fields it sets)
+DEVICE_TERMS = {"memory_bandwidth_fraction": ("memory_fraction",), "kernel_floor_s": ("kernel_floor_s",)}
+GEMM_FIELDS = ("g_linear", "g_lm_head", "g_attn")   # DeviceTerms fields set by gemm_fraction.<dtype key>
 
 
 @dataclass(frozen=True)
 class Param:
-    """One fitted term: `group` is a hardware group ('hw:a100_80g_sxm', 'vendor:apple') or an engine name."""
+    """One fitted term: `group` is a device group ('hw:a100_80g_sxm', 'vendor:apple') or an engine name; `prior` the
+    value calibration starts from and is pulled back towards (the YAML's or the engine module's)."""
 
     group: str
     name: str
     lo: float
     hi: float
     scale: float        # typical magnitude: the solver works in units of this
+    prior: float
 
     @property
     def key(self) -> str:
         return f"{self.group}.{self.name}"
 
+    @property
+    def is_device(self) -> bool:
+        return self.group.startswith(("hw:", "vendor:"))
+
+
+def dtype_key(device: str, dtype: str) -> str:
+    """The gemm_fraction entry a compute dtype uses on a device (its own entry, else `default`)."""
+    return dtype if dtype in load_hardware(device).gemm_fractions else "default"
+
 
 class FitData:
-    """Flat per-step arrays over all rows, with the indices that map steps to rows, groups and engines."""
+    """Flat per-step arrays over all rows, with the indices that map steps to rows, device groups and engines."""
 
-    def __init__(self, preds: list[Prediction], hw_group: dict[str, str], base_terms: dict[str, dict[str, float]]):
+    def __init__(self, preds: list[Prediction], hw_group: dict[str, str]):
         self.preds = preds
-        self.hw_groups = sorted(set(hw_group[p.row.hardware] for p in preds))
+        self.hw_groups = sorted(set(hw_group.values()))
         self.engines = sorted(set(p.engine for p in preds))
-        cols: dict[str, list] = {k: [] for k in ("lin_c", "lin_m", "att_c", "att_m", "comm_fixed", "ring", "hops",
-                                                 "seqs", "host_extra", "graph", "w", "seg")}
-        scal: dict[str, list] = {k: [] for k in ("layers", "launch", "replay", "overlap", "hwg", "eng")}
-        self.base = {t: [] for t in TERM_NAMES}
-        seg_row, seg = [], 0
-        self.numer, self.rate, self.row_start = [], [], []
-        for i, p in enumerate(preds):
+        cols: dict[str, list] = {k: [] for k in (*FEATURES, "seqs", "structured", "graph", "w", "seg", "launches",
+                                                 "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
+        base_dev: dict[str, list] = {k: [] for k in TERM_NAMES}
+        base_eng: dict[str, list] = {k: [] for k in ENGINE_FIELDS}
+        self.numer, self.rate, self.row_start, self.offset = [], [], [], []
+        seg = 0
+        for p in preds:
             self.row_start.append(seg)
             self.numer.append(p.readout.numerator)
             self.rate.append(p.readout.rate)
-            terms = {**PROPOSED_TERMS, **base_terms.get(p.engine, {})}
-            for f, w in zip(p.features, p.readout.weights, strict=True):
-                n = len(f)
-                for k in ("lin_c", "lin_m", "att_c", "att_m", "comm_fixed", "ring", "hops", "seqs", "host_extra",
-                          "graph"):
-                    cols[k].append(getattr(f, k))
-                cols["w"].append(w)
-                cols["seg"].append(np.full(n, seg))
-                for k, v in (("layers", f.layers), ("launch", f.launch_s), ("replay", f.replay_s),
-                             ("overlap", f.overlap), ("hwg", self.hw_groups.index(hw_group[p.row.hardware])),
-                             ("eng", self.engines.index(p.engine))):
-                    scal[k].append(np.full(n, v))
-                for t in TERM_NAMES:
-                    v = {"scheduler_cpu_s": f.scheduler_cpu_s, "output_cpu_s": f.output_cpu_s}.get(t, terms.get(t))
-                    self.base[t].append(np.full(n, v))
-                seg_row.append(i)
+            self.offset.append(p.readout.offset_s)
+            for sf, w in zip(p.features, p.readout.weights, strict=True):
+                n = len(sf)
+                for k in FEATURES:
+                    cols[k].append(np.broadcast_to(sf.f[k], (n,)))
+                for k, v in (("seqs", sf.seqs), ("structured", sf.structured), ("graph", sf.graph), ("w", w),
+                             ("seg", np.full(n, seg)), ("launches", np.full(n, sf.launches)),
+                             ("overlap", np.full(n, sf.overlap)), ("grammar", np.full(n, sf.grammar_mask_s)),
+                             ("hwg", np.full(n, self.hw_groups.index(hw_group.get(sf.device, "fixed"))
+                                             if sf.device in hw_group else -1)),
+                             ("eng", np.full(n, self.engines.index(p.engine)))):
+                    cols[k].append(v)
+                for field, dtype in zip(GEMM_FIELDS, sf.dtypes, strict=True):
+                    cols[field].append(np.full(n, dtype_key(sf.device, dtype), dtype=object))
+                for k in TERM_NAMES:
+                    base_dev[k].append(np.full(n, getattr(sf.terms, k)))
+                for k in ENGINE_FIELDS:
+                    base_eng[k].append(np.full(n, sf.engine[k]))
                 seg += 1
-        cat = {k: np.concatenate(v) for k, v in cols.items()}
-        self.__dict__.update(cat)
-        self.__dict__.update({k: np.concatenate(v) for k, v in scal.items()})
-        self.base = {t: np.concatenate(v) for t, v in self.base.items()}
-        self.graph = self.graph.astype(bool)
-        self.overlap = self.overlap.astype(bool)
+        self.cols = {k: np.concatenate(v) for k, v in cols.items()}
+        self.cols["graph"] = self.cols["graph"].astype(bool)
+        self.cols["overlap"] = self.cols["overlap"].astype(bool)
+        self.base_dev = {k: np.concatenate(v) for k, v in base_dev.items()}
+        self.base_eng = {k: np.concatenate(v) for k, v in base_eng.items()}
         self.num_segs = seg
         self.row_start = np.array(self.row_start)
         self.numer, self.rate = np.array(self.numer), np.array(self.rate, dtype=bool)
+        self.offset = np.array(self.offset)
         self.measured = np.array([p.row.value for p in preds])
+        self.steps = SimpleNamespace(f={k: self.cols[k] for k in FEATURES}, seqs=self.cols["seqs"],
+                                     structured=self.cols["structured"], graph=self.cols["graph"],
+                                     grammar_mask_s=self.cols["grammar"], launches=self.cols["launches"],
+                                     overlap=self.cols["overlap"], terms=None, engine=None)
 
-    def predict(self, g: np.ndarray, m: np.ndarray, terms: dict[str, dict[int, float]]) -> np.ndarray:
-        """Each row's metric for per-hardware-group fractions g, m and per-engine term overrides."""
-        x = {}
-        for t in TERM_NAMES:
-            arr = self.base[t]
-            over = terms.get(t)
-            if over:
-                arr = arr.copy()
-                for e, v in over.items():
-                    arr[self.eng == e] = v
-            x[t] = arr
-        gg, mm = g[self.hwg], m[self.hwg]
-        gpu = (np.maximum(self.lin_c / gg, self.lin_m / mm) + np.maximum(self.att_c / gg, self.att_m / mm)
-               + self.comm_fixed + self.ring / x["allreduce_bandwidth_fraction"]
-               + self.hops * x["allreduce_hop_latency_s"] + self.layers * x["layer_latency_s"])
-        total = np.where(self.graph, gpu + self.replay, np.maximum(gpu, self.launch))
-        host = x["scheduler_cpu_s"] + x["output_cpu_s"] + x["seq_cpu_s"] * self.seqs + self.host_extra
-        t = total + np.where(self.overlap, np.maximum(0.0, host - total), host)
-        seg_sum = np.bincount(self.seg, weights=self.w * t, minlength=self.num_segs)
-        span = np.add.reduceat(seg_sum, self.row_start)
+    def predict(self, params: list[Param], values: np.ndarray) -> np.ndarray:
+        """Each row's metric with the given params set to `values` (the others as recorded)."""
+        dev = {k: v.copy() for k, v in self.base_dev.items()}
+        eng = {k: v.copy() for k, v in self.base_eng.items()}
+        c = self.cols
+        for p, v in zip(params, values, strict=True):
+            if p.is_device:
+                sel = c["hwg"] == self.hw_groups.index(p.group)
+                if p.name.startswith("gemm_fraction."):
+                    key = p.name.split(".", 1)[1]
+                    for field in GEMM_FIELDS:
+                        dev[field][sel & (c[field] == key)] = v
+                else:
+                    for field in DEVICE_TERMS[p.name]:
+                        dev[field][sel] = v
+            else:
+                eng[p.name][c["eng"] == self.engines.index(p.group)] = v
+        t = reprice(self.steps, SimpleNamespace(**dev), eng)
+        seg_sum = np.bincount(c["seg"], weights=c["w"] * t, minlength=self.num_segs)
+        span = np.add.reduceat(seg_sum, self.row_start) + self.offset
         return np.where(self.rate, self.numer / np.maximum(span, 1e-30), 1e3 * span)
 
 
 def least_squares(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, lo: np.ndarray, hi: np.ndarray, *,
-                  iterations: int = 80, huber: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg-Marquardt with box constraints (steps projected on the box), optionally Huber-weighted (IRLS).
+                  iterations: int = 80, huber: float | None = None, plain: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Levenberg-Marquardt with box constraints (steps projected on the box). With `huber`, iteratively reweighted:
+    the first `plain` residuals beyond `huber` are down-weighted by huber / |r| (weights fixed for each LM solve,
+    refreshed between solves); the rest (prior terms) stay quadratic.
 
     Returns (x, unweighted residuals at x). Forward-difference Jacobian; `fun` maps x to residuals.
     """
     x = np.clip(np.asarray(x0, dtype=float), lo, hi)
+    if huber is None:
+        return _lm(fun, x, lo, hi, iterations)
+    n = len(fun(x)) if plain is None else plain
+    for _ in range(6):
+        r = fun(x)
+        w = np.ones(len(r))
+        a = np.abs(r[:n])
+        w[:n] = np.sqrt(np.where(a <= huber, 1.0, huber / np.maximum(a, 1e-12)))
+        x_new, _ = _lm(lambda z, w=w: w * fun(z), x, lo, hi, iterations)
+        moved = np.max(np.abs(x_new - x))
+        x = x_new
+        if moved < 1e-6:
+            break
+    return x, fun(x)
+
+
+def _lm(fun: Callable[[np.ndarray], np.ndarray], x: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+        iterations: int) -> tuple[np.ndarray, np.ndarray]:
     lam = 1e-2
-
-    def weighted(r: np.ndarray) -> np.ndarray:
-        if huber is None:
-            return r
-        a = np.abs(r)
-        return r * np.sqrt(np.where(a <= huber, 1.0, huber / np.maximum(a, 1e-12)))
-
     r = fun(x)
-    cost = float(np.sum(weighted(r) ** 2))
+    cost = float(np.sum(r ** 2))
     for _ in range(iterations):
-        rw = weighted(r)
         jac = np.empty((len(r), len(x)))
         for j in range(len(x)):
             h = 1e-6 * max(1.0, abs(x[j]))
             xj = x.copy()
             xj[j] = xj[j] + h if xj[j] + h <= hi[j] else xj[j] - h
-            jac[:, j] = (weighted(fun(xj)) - rw) / (xj[j] - x[j])
-        hess, grad = jac.T @ jac, jac.T @ rw
+            jac[:, j] = (fun(xj) - r) / (xj[j] - x[j])
+        hess, grad = jac.T @ jac, jac.T @ r
         improved = False
         for _ in range(12):
             step = np.linalg.solve(hess + lam * (np.diag(np.diag(hess)) + 1e-9 * np.eye(len(x))), -grad)
             xn = np.clip(x + step, lo, hi)
             rn = fun(xn)
-            cn = float(np.sum(weighted(rn) ** 2))
+            cn = float(np.sum(rn ** 2))
             if np.all(np.isfinite(rn)) and cn < cost:
                 improved = cost - cn > 1e-12 * max(cost, 1e-12)
                 x, r, cost, lam = xn, rn, cn, max(lam / 3, 1e-9)

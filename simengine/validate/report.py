@@ -57,6 +57,67 @@ def _group_table(preds: list[Prediction], key, title: str) -> list[str]:
     return lines
 
 
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two equally long lists: (concordant - discordant pairs) / pairs; ties count as neither."""
+    n = len(a)
+    pairs = n * (n - 1) // 2
+    if not pairs:
+        return float("nan")
+    s = sum(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]) for i in range(n) for j in range(i + 1, n))
+    return float(s) / pairs
+
+
+def ranking_groups(preds: list[Prediction]) -> list[dict]:
+    """Rows that measured several engines side by side (same source, device, model, dtype, parallelism, lengths,
+    arrival and metric): does the simulator order the engines as the measurement does? One dict per group."""
+    from simengine.validate.experiments import stated_means
+
+    groups: dict[tuple, list[Prediction]] = defaultdict(list)
+    for p in preds:
+        r = p.row
+        lengths = (r.input_len, r.output_len) if r.input_len or r.output_len else stated_means(r)
+        groups[(r.source.split(" ")[0], r.hardware, r.model, r.weight_dtype, r.tp, r.pp, lengths, r.dataset,
+                str(r.arrival), r.metric)].append(p)
+    out = []
+    for key, g in groups.items():
+        if len({p.engine for p in g}) < 2:
+            continue
+        g = sorted(g, key=lambda p: p.row.value)
+        lengths = "/".join(f"{x:g}" if x is not None else "?" for x in key[6]) if key[6] else ""
+        out.append({"group": f"{key[1]} {key[2]} tp{key[4]} {key[7]} {lengths} {key[8]} {key[9]}".replace("  ", " "),
+                    "engines": len(g), "tau": kendall_tau([p.row.value for p in g], [p.predicted for p in g]),
+                    "measured": " < ".join(p.engine for p in g),
+                    "predicted": " < ".join(p.engine for p in sorted(g, key=lambda p: p.predicted))})
+    return sorted(out, key=lambda d: d["group"])
+
+
+def ranking_table(preds: list[Prediction]) -> list[str]:
+    rows = ranking_groups(preds)
+    if not rows:
+        return []
+    lines = [f"{'engines side by side (Kendall tau of measured vs predicted order)':70s} {'n':>3s} {'tau':>6s}"]
+    for d in rows:
+        lines.append(f"{d['group'][:70]:70s} {d['engines']:3d} {d['tau']:+6.2f}   measured {d['measured']}; "
+                     f"predicted {d['predicted']}")
+    taus = [d["tau"] for d in rows]
+    lines.append(f"mean tau {np.mean(taus):+.2f} over {len(rows)} groups; {sum(t == 1 for t in taus)} in the same "
+                 "order exactly")
+    return lines
+
+
+def terms_table(engines: list[str]) -> list[str]:
+    """Per engine: each timing term, fitted (calibration.yaml) or the engine module's prior."""
+    from simengine.cost.calibrated import TIMING_TERMS, read_engine_terms
+
+    fitted = read_engine_terms()
+    lines = [f"{'engine terms':12s} " + " ".join(f"{t:>16s}" for t in TIMING_TERMS)]
+    for eng in engines:
+        f = fitted.get(eng, {})
+        cells = [f"{f[t]:.3g} fitted" if t in f else "prior" for t in TIMING_TERMS]
+        lines.append(f"{eng:12s} " + " ".join(f"{c:>16s}" for c in cells))
+    return lines
+
+
 def format_report(preds: list[Prediction], skips: list[Skip], *, rows_detail: bool = True) -> str:
     """The printed table: every row, then per-metric / per-hardware / per-engine errors and the skips."""
     out = []
@@ -71,6 +132,10 @@ def format_report(preds: list[Prediction], skips: list[Skip], *, rows_detail: bo
         out += _group_table(preds, lambda p: p.row.metric, "metric") + [""]
         out += _group_table(preds, lambda p: p.row.hardware, "hardware") + [""]
         out += _group_table(preds, lambda p: p.engine, "engine") + [""]
+        out += terms_table(sorted({p.engine for p in preds})) + [""]
+        ranking = ranking_table(preds)
+        if ranking:
+            out += ranking + [""]
     if skips:
         reasons: dict[str, list[str]] = defaultdict(list)
         for s in skips:

@@ -14,7 +14,7 @@ import numpy as np
 
 from simengine.core.batch import BatchShape
 from simengine.core.request import Request
-from simengine.cost.roofline import RooflineCost, StepCost
+from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.errors import InputError
 from simengine.sim.runner import Runner, build_deployment, build_engine, cost_model
@@ -33,14 +33,16 @@ from simengine.validate.measurements import RATE_METRICS, Measurement
 @dataclass
 class Readout:
     """metric = numerator / span for rates, or 1e3 * span for times in ms, where span = sum_k w_k . t_k over
-    the recorded step sequences k (replicas, and runs of different lengths)."""
+    the recorded step sequences k (replicas, and runs of different lengths) plus `offset_s` (the frontend latency
+    before the first step, which no step term changes)."""
 
     rate: bool
     numerator: float
     weights: list[np.ndarray]
+    offset_s: float = 0.0
 
     def value(self, seconds: list[np.ndarray]) -> float:
-        span = sum(float(np.dot(w, s)) for w, s in zip(self.weights, seconds, strict=True))
+        span = self.offset_s + sum(float(np.dot(w, s)) for w, s in zip(self.weights, seconds, strict=True))
         if span <= 0:
             return math.nan
         return self.numerator / span if self.rate else 1e3 * span
@@ -65,7 +67,7 @@ class Prediction:
 class RecordingCost:
     """Wraps a cost model for one replica and remembers every step's shape and seconds."""
 
-    def __init__(self, inner: RooflineCost):
+    def __init__(self, inner: CostModel):
         self.inner = inner
         self.shapes: list[BatchShape] = []
         self.seconds: list[float] = []
@@ -130,7 +132,7 @@ def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Rea
 def run_step(exp: Experiment) -> Prediction:
     dep = build_deployment(exp.scenario)
     eng = build_engine(exp.entry, dep)
-    cost = cost_model(eng)   # the simulator's own: the roofline with the engine's calibrated terms
+    cost = cost_model(eng, kernels=exp.scenario.deployment.cost_model)   # the simulator's own step-time model
     shapes, readout = step_plan(exp, eng)
     seconds = np.array([cost.step(s).seconds for s in shapes])
     return Prediction(exp.row, exp.engine, readout.value([seconds]), readout, [step_features(cost, shapes)],
@@ -138,12 +140,12 @@ def run_step(exp: Experiment) -> Prediction:
 
 
 # ---- simulated experiments ----------------------------------------------------------------------------
-def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, object]:
+def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, object, float]:
     """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails.
-    Returns (per-replica recorded costs, requests frame, recorder)."""
+    Returns (per-replica recorded costs, requests frame, recorder, the frontend latency)."""
     from simengine.metrics.frames import requests_frame
 
-    scenario = scenario_for(exp.row, exp.engine, n, exp.params)
+    scenario = scenario_for(exp.row, exp.engine, n, exp.params, exp.scenario.deployment.cost_model)
     runner = Runner(scenario, exp.entry)
     rec_costs = []
     for rep in runner.replicas:
@@ -156,7 +158,7 @@ def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, obj
     if len(failed):
         reason = failed["fail_reason"].iloc[0] or failed["status"].iloc[0]
         raise InputError(f"{len(failed)} of {n} requests did not complete in simulation ({reason})")
-    return rec_costs, frame, recorder
+    return rec_costs, frame, recorder, runner.frontend_s
 
 
 def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
@@ -168,7 +170,7 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
     """
     r = exp.row
     full = exp.full_requests
-    costs, frame, _ = _simulate(exp, n)
+    costs, frame, _, frontend_s = _simulate(exp, n)
     runs = [costs]
     if full is None or full > n:
         runs.append(_simulate(exp, n // 2)[0])
@@ -189,7 +191,8 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
             feats.append(step_features(c.inner, c.shapes))
             seconds.append(np.asarray(c.seconds))
     numer = per_req * (full if full is not None else n - n // 2)
-    readout = Readout(True, float(numer), weights)
+    # the requests reach the engine after the frontend: once in the makespan (it cancels in a steady-state rate)
+    readout = Readout(True, float(numer), weights, frontend_s if full is not None else 0.0)
     info["steps"] = int(sum(len(s) for s in seconds))
     return Prediction(r, exp.engine, readout.value(seconds), readout, feats, info)
 
@@ -226,16 +229,17 @@ def run_sim(exp: Experiment) -> Prediction:
     r = exp.row
     if r.metric in RATE_METRICS and r.arrival.kind in ("offline", "batch"):
         return _offline_rate(exp, n, info)
-    _, frame, recorder = _simulate(exp, n)
+    _, frame, recorder, _ = _simulate(exp, n)
     if r.metric in RATE_METRICS:
         return Prediction(r, exp.engine, _rate_numerator(r.metric, frame) / float(frame["finish_s"].max()), info=info)
     return Prediction(r, exp.engine, _latency_metric(r.metric, frame, recorder), info=info)
 
 
-def run_row(row: Measurement) -> Prediction | Skip:
-    """Plan and run one row; anything the simulator refuses becomes a Skip with its one-line reason."""
+def run_row(row: Measurement, kernels: str = "auto") -> Prediction | Skip:
+    """Plan and run one row (`kernels`: the deployment's cost_model, auto or roofline); anything the simulator
+    refuses becomes a Skip with its one-line reason."""
     t0 = time.perf_counter()
-    exp = plan_row(row)
+    exp = plan_row(row, kernels)
     if isinstance(exp, Skip):
         return exp
     try:
@@ -251,10 +255,11 @@ def run_row(row: Measurement) -> Prediction | Skip:
     return pred
 
 
-def run_rows(rows: list[Measurement], jobs: int = 2) -> list[Prediction | Skip]:
+def run_rows(rows: list[Measurement], jobs: int = 2, kernels: str = "auto") -> list[Prediction | Skip]:
     """Run every row, in `jobs` worker processes (results in row order)."""
     if jobs <= 1 or len(rows) <= 1:
-        return [run_row(r) for r in rows]
+        return [run_row(r, kernels) for r in rows]
+    import functools
     import multiprocessing as mp
 
     # the slow simulated rows first, so the pool does not end waiting on one of them
@@ -262,7 +267,7 @@ def run_rows(rows: list[Measurement], jobs: int = 2) -> list[Prediction | Skip]:
                    rows[i].arrival.kind in ("single", "batch"))
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     with ctx.Pool(jobs) as pool:
-        results = pool.map(run_row, [rows[i] for i in order], chunksize=1)
+        results = pool.map(functools.partial(run_row, kernels=kernels), [rows[i] for i in order], chunksize=1)
     out: list[Prediction | Skip] = [None] * len(rows)  # type: ignore[list-item]
     for i, res in zip(order, results, strict=True):
         out[i] = res

@@ -1,13 +1,18 @@
-"""Calibration re-prices steps from feature arrays; that must equal RooflineCost.step exactly."""
+"""Calibration re-prices recorded steps from feature arrays; that must equal the cost model's own step times."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from simengine.core.batch import BatchShape
 from simengine.cost.calibrated import apply_terms
-from simengine.cost.roofline import RooflineCost
+from simengine.cost.measured import MeasuredKernels, data_root
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.step import CostModel
 from simengine.cost.timing import EngineTiming
-from simengine.validate.features import price, step_features
+from simengine.cost.work import StepWork
+from simengine.validate.features import reprice, step_features
 from tests.conftest import make_dep
 
 TIMINGS = {
@@ -15,8 +20,6 @@ TIMINGS = {
     "overlap_graphs": EngineTiming(scheduler_cpu_s=3e-3, output_cpu_s=1e-3, overlap=True,
                                    cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128)),
 }
-EXTRAS = {"layer_latency_s": 2e-4, "allreduce_hop_latency_s": 6e-6, "allreduce_bandwidth_fraction": 0.3,
-          "seq_cpu_s": 3e-4}
 
 
 def shapes(timing: EngineTiming, rng: np.random.Generator, n: int = 40) -> list[BatchShape]:
@@ -33,41 +36,48 @@ def shapes(timing: EngineTiming, rng: np.random.Generator, n: int = 40) -> list[
     return out
 
 
+def model(dep, timing, measured: bool) -> CostModel:
+    w = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp)
+    t = DeviceTerms.of(w, dep.hardware, custom_allreduce=True)
+    if measured:
+        return CostModel(MeasuredKernels(w, t, system=dep.hardware.kernel_tables, backend="vllm",
+                                         custom_allreduce=True), timing)
+    return CostModel(RooflineKernels(w, t), timing)
+
+
+CASES = [dict(), dict(model="llama-2-70b", hardware="a100_80g_sxm", tp=4),
+         dict(model="qwen3-235b-a22b", weight_dtype="fp8", kv_dtype="fp8", tp=8),
+         dict(model="gpt-oss-20b", weight_dtype="mxfp4"),
+         dict(model="llama-2-7b", weight_dtype="q4_0", hardware="apple_m2_ultra")]
+
+
 @pytest.mark.parametrize("timing", TIMINGS.values(), ids=TIMINGS.keys())
-@pytest.mark.parametrize("dep_kw", [dict(), dict(model="llama-2-70b", hardware="a100_80g_sxm", tp=4),
-                                    dict(model="qwen3-235b-a22b", weight_dtype="fp8", kv_dtype="fp8", tp=8),
-                                    dict(model="gpt-oss-20b", weight_dtype="mxfp4"),
-                                    dict(model="llama-2-7b", weight_dtype="q4_0", hardware="apple_m2_ultra")])
-@pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["base", "extras"])
-def test_price_equals_cost_model(timing, dep_kw, extras):
+@pytest.mark.parametrize("dep_kw", CASES)
+@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.parametrize("extras", [{}, {"seq_cpu_s": 3e-4}], ids=["base", "seq_cpu"])
+def test_reprice_equals_cost_model(timing, dep_kw, measured, extras):
     dep = make_dep(**dep_kw)
-    cost = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format,
-                        kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp, timing=apply_terms(timing, extras))
+    if measured and (data_root() is None or not dep.hardware.kernel_tables):
+        pytest.skip("no measured tables for this device here")
+    cost = model(dep, apply_terms(timing, extras), measured)
     batch = shapes(timing, np.random.default_rng(len(dep_kw) + len(extras)))
     direct = np.array([cost.step(s).seconds for s in batch])
-    repriced = price(step_features(cost, batch), dep.hardware.gemm_fraction, dep.hardware.memory_bandwidth_fraction,
-                     extras)
-    np.testing.assert_allclose(repriced, direct, rtol=1e-9)
-    if not extras:   # the default terms add nothing
-        plain = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format,
-                             kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp, timing=timing)
-        np.testing.assert_allclose(direct, [plain.step(s).seconds for s in batch], rtol=1e-12)
+    np.testing.assert_allclose(reprice(step_features(cost, batch)), direct, rtol=1e-9)
 
 
-def test_each_proposed_term_slows_steps_the_way_it_is_named():
+def test_reprice_follows_the_terms_the_way_they_are_named():
     dep = make_dep(model="llama-2-70b", hardware="a100_80g_sxm", tp=8)
-    t = TIMINGS["sync_eager"]
-    decode = BatchShape(num_decode=4, decode_context_tokens=4 * 600, num_logits=4, padded_decode=4)
-
-    def step(**x):
-        return RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=8,
-                            timing=apply_terms(t, x)).step(decode).seconds
-
-    base = step()
-    assert step(layer_latency_s=1e-4) == pytest.approx(base + 80 * 1e-4)
-    assert step(allreduce_hop_latency_s=1e-6) == pytest.approx(base + 160 * 14 * 1e-6)   # 2 per layer, 2(tp-1) hops
-    assert step(seq_cpu_s=1e-3) == pytest.approx(base + 4e-3)                            # synchronous: all exposed
-    assert step(allreduce_bandwidth_fraction=0.5) > base
+    cost = model(dep, TIMINGS["sync_eager"], False)
+    decode = [BatchShape(num_decode=4, decode_context_tokens=4 * 600, num_logits=4, padded_decode=4)]
+    f = step_features(cost, decode)
+    base = reprice(f)[0]
+    t = cost.kernels.terms
+    assert reprice(f, engine={"seq_cpu_s": 1e-3})[0] == pytest.approx(base + 4e-3)     # synchronous: all exposed
+    slower_link = dataclasses.replace(t, allreduce_latency_s=t.allreduce_latency_s + 1e-6)
+    assert reprice(f, slower_link)[0] == pytest.approx(base + 160 * 1e-6)             # 2 all-reduces per layer
+    floor = dataclasses.replace(t, kernel_floor_s=t.kernel_floor_s + 1e-6)
+    assert reprice(f, floor)[0] == pytest.approx(base + (80 * 9 + 1) * 1e-6)          # 9 kernels a layer + LM head
+    assert reprice(f, dataclasses.replace(t, memory_fraction=t.memory_fraction / 2))[0] > 1.5 * base
 
 
 def test_apply_terms_sets_timing_fields():

@@ -8,8 +8,7 @@ import pytest
 from simengine.api import run_engine
 from simengine.core.batch import BatchShape
 from simengine.cost import calibrated as terms
-from simengine.cost.roofline import RooflineCost
-from simengine.sim.runner import build_deployment, build_engine
+from simengine.sim.runner import build_deployment, build_engine, cost_model
 from simengine.validate import experiments
 from simengine.validate.experiments import plan_row
 from simengine.validate.measurements import Arrival, Measurement
@@ -58,8 +57,7 @@ def test_decode_step_row_is_one_engine_step_priced_by_the_cost_model():
     exp = plan_row(r)
     dep = build_deployment(exp.scenario)
     eng = build_engine(exp.entry, dep)
-    cost = RooflineCost(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=4,
-                        timing=eng.timing)
+    cost = cost_model(eng)   # the simulator's own step-time model for that engine and deployment
     ctx = 512 + 64   # the median iteration of 128: halfway through the generation
     shape = BatchShape(num_decode=4, decode_context_tokens=4 * ctx, num_logits=4, padded_decode=4)
     assert pred.predicted == pytest.approx(1e3 * cost.step(shape).seconds, rel=1e-9)
@@ -75,6 +73,6 @@ def test_llama_bench_rows_use_ubatches_and_context_depth():
     pp = run_row(base)
     assert pp.info["steps"] == 4   # 2048 prompt tokens in ubatches of 512
     f = pp.features[0]
-    assert np.all(f.att_c[1:] > f.att_c[:-1])   # each ubatch attends to a deeper context
+    assert np.all(f.f["pre_c"][1:] > f.f["pre_c"][:-1])   # each ubatch attends to a deeper context
     tg = run_row(dataclasses.replace(base, input_len=0, output_len=128, metric="decode_tok_s", notes="tg128"))
     assert tg.info["steps"] == 128 and 5 < tg.predicted < 500

@@ -1,0 +1,534 @@
+"""Measured kernel times for the step's ops, from NVIDIA's aiconfigurator-core operator tables (Apache-2.0).
+
+The package (`pip install -e '.[kernels]'`; `make` installs it where a wheel exists) ships GEMM, context and
+generation attention, MoE and all-reduce timings measured per device (`systems/data/<system>/`) and per serving
+backend (trtllm, vllm, sglang) and version. Each row is a CUDA-graph replay of one op call on one layer, in
+milliseconds; GEMM shapes and attention heads are per tensor-parallel rank; all-reduce messages count elements.
+We read the tables (never copy them) and price the step's ops (cost/work.py) from them:
+
+- GEMM (m tokens, n, k): linear in m between measured m. An (n, k) that was not measured takes the utilisation
+  (roofline time / measured time) of the nearest measured shapes, inverse-distance weighted in log2(n, k) within
+  two octaves. Beyond the largest measured m the last utilisation holds (time grows as the roofline's).
+- decode attention (batch b, KV length s): linear in b and in s. Prefill attention (b sequences of s tokens):
+  linear in b and in sqrt(time) along s (time grows as s^2), scaled by the chunks' query-key pairs over b s^2 / 2
+  for cached prefixes, as the package's own model does. Cells beyond the measured staircase (large b x s) hold
+  the utilisation of the longest measured length of that batch.
+- MoE layer (tokens, model shape, tp, ep; the package's default power-law routing skew where measured): linear in
+  tokens. All-reduce (elements, GPUs): linear in size, never below the smallest measurement.
+- norms, activation, RoPE/KV write (no tables exist): the roofline's elementwise terms and kernel floors.
+
+An op the tables do not cover (a device, dtype, head layout, MoE shape or TP degree without rows) is priced by the
+roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
+measurements (`measured_s` in steps.csv).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from simengine.config.hardware import Hardware
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.work import StepWork
+
+PACKAGE = "aiconfigurator_core"
+MS = 1e-3
+# our weight dtype -> the table's gemm_dtype / moe_dtype; KV dtype -> kv_cache_dtype
+GEMM_DTYPES = {"bf16": "bfloat16", "fp16": "bfloat16", "fp8": "fp8", "fp4": "nvfp4", "nvfp4": "nvfp4",
+               "int4": "int4_wo", "int8": "sq", "mxfp4": "bfloat16"}   # gpt-oss: only the experts are MXFP4
+MOE_DTYPES = {"bf16": "bfloat16", "fp16": "bfloat16", "fp8": "fp8", "fp4": "nvfp4", "nvfp4": "nvfp4",
+              "mxfp4": "w4a16_mxfp4", "int4": "int4_wo"}
+KV_DTYPES = {2.0: "bfloat16", 1.0: "fp8"}
+GEMM_PEAK = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "nvfp4": "fp4", "int4_wo": "bf16",
+             "int8_wo": "bf16", "sq": "int8"}
+GEMM_ELEMENT_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0, "nvfp4": 9 / 16, "int4_wo": 0.5,
+                      "int8_wo": 1.0, "sq": 1.0}
+NEIGHBOUR_OCTAVES = 2.0     # an unmeasured GEMM shape borrows utilisation from shapes within this log2 distance
+MOE_DISTRIBUTIONS = ("power_law_1.2", "balanced")   # the package's default routing skew first, then uniform
+PROVENANCE = ("framework", "version", "device", "power", "power_limit")
+
+
+# ---- the package's files ----------------------------------------------------------------------------------
+@functools.cache
+def data_root() -> Path | None:
+    """systems/ of the installed aiconfigurator-core, or None when it is not installed (roofline only)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / "systems"
+    return root if (root / "data").is_dir() else None
+
+
+def package_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("aiconfigurator-core")
+    except PackageNotFoundError:
+        return None
+
+
+def version_key(v: str) -> tuple:
+    """Sortable key of a version string such as 1.3.0rc20, 0.5.6.post2, 0.24.0 or 0.1.dev19262."""
+    release = re.split(r"rc|\.post|\.dev", v)[0]
+    nums = [int(x) for x in re.findall(r"\d+", release)][:4]
+    pre = re.search(r"rc(\d+)", v)
+    post = re.search(r"post(\d+)", v)
+    final = 0 if pre is None and "dev" not in v else -1
+    return (*nums, *([0] * (4 - len(nums))), final, int(pre.group(1)) if pre else 0, int(post.group(1)) if post else 0)
+
+
+@functools.cache
+def current_versions() -> dict[tuple[str, str], str]:
+    """(system, backend) -> the version the package calls current (query_versions.yaml); ('*', backend) for the
+    defaults."""
+    from simengine.config.loader import load_yaml
+
+    root = data_root()
+    path = root / "query_versions.yaml" if root else None
+    data = load_yaml(path) if path and path.exists() else {}
+    out = {("*", b): str(v.get("current")) for b, v in (data.get("defaults") or {}).items()}
+    for system, per in (data.get("overrides") or {}).items():
+        for b, v in per.items():
+            out[(system, b)] = str(v.get("current"))
+    return out
+
+
+def table_file(system: str, family: str, backend: str, filename: str) -> Path | None:
+    """The table in the backend's current version, else in the newest older version that has it (the package's
+    backward fill); None when no version has it."""
+    root = data_root()
+    base = root / "data" / system / family / backend if root else None
+    if base is None or not base.is_dir():
+        return None
+    versions = sorted((d.name for d in base.iterdir() if (d / filename).exists()), key=version_key)
+    current = current_versions().get((system, backend)) or current_versions().get(("*", backend))
+    if current:
+        versions = [v for v in versions if version_key(v) <= version_key(current)] or versions
+    return base / versions[-1] / filename if versions else None
+
+
+@functools.cache
+def read_table(path: Path):
+    """One parquet table without its provenance columns (cached per process)."""
+    import pandas as pd
+
+    df = pd.read_parquet(path)
+    return df.drop(columns=[c for c in PROVENANCE if c in df.columns])
+
+
+@functools.cache
+def systems() -> tuple[str, ...]:
+    """The devices the installed package has measurements of."""
+    root = data_root()
+    return tuple(sorted(p.name for p in (root / "data").iterdir() if any(p.iterdir()))) if root else ()
+
+
+# ---- interpolation ----------------------------------------------------------------------------------------
+def monotone(ys: np.ndarray) -> np.ndarray:
+    """A curve over growing sizes made non-decreasing by the running minimum from its large end: a smaller problem
+    never takes longer than a larger one (it could run padded), which removes collection noise (e.g. B200's vLLM FP8
+    GEMM timed slower at m=1 than at m=8)."""
+    return np.minimum.accumulate(ys[::-1])[::-1]
+
+
+def interp_hold(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, sol) -> np.ndarray:
+    """ys(xs) linearly at x; below xs[0] the first value; beyond xs[-1] the last point's utilisation holds (time
+    grows as the roofline time `sol(x)` does)."""
+    y = np.interp(x, xs, ys)
+    hi = x > xs[-1]
+    if np.any(hi):
+        y = np.where(hi, sol(x) * (ys[-1] / sol(xs[-1])), y)
+    return y
+
+
+class GemmTable:
+    """Measured GEMM times of one backend on one device: per gemm dtype, (n, k) sites with their m-curves."""
+
+    def __init__(self, df, hw: Hardware):
+        self.hw = hw
+        self.sites: dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
+        for dtype, g in df.groupby("gemm_dtype", sort=False):
+            g = g.drop_duplicates(["m", "n", "k"]).sort_values(["n", "k", "m"])
+            self.sites[str(dtype)] = {(int(n), int(k)): (s["m"].to_numpy(float),
+                                                         monotone(s["latency"].to_numpy(float) * MS))
+                                      for (n, k), s in g.groupby(["n", "k"], sort=False)}
+
+    def sol(self, dtype: str, m, n: int, k: int):
+        """Roofline seconds of an (m x k) by (k x n) GEMM at the datasheet rates: the utilisation's yardstick."""
+        peaks = self.hw.peak_flops
+        peak = peaks.get(GEMM_PEAK[dtype]) or peaks.get("bf16") or peaks["fp16"]
+        eb = GEMM_ELEMENT_BYTES[dtype]
+        return np.maximum(2.0 * m * n * k / peak, eb * (m * n + m * k + n * k) / self.hw.memory_bandwidth_bytes_s)
+
+    def latency(self, dtype: str, n: int, k: int, m: np.ndarray) -> np.ndarray | None:
+        """Seconds of the GEMM at each m, or None when no measured shape lies within reach."""
+        sites = self.sites.get(dtype)
+        if not sites or n < 1 or k < 1:
+            return None
+        if (n, k) in sites:
+            xs, ys = sites[(n, k)]
+            return interp_hold(m, xs, ys, lambda x: self.sol(dtype, x, n, k))
+        ln, lk = math.log2(n), math.log2(k)
+        near = sorted((math.hypot(math.log2(sn) - ln, math.log2(sk) - lk), (sn, sk)) for sn, sk in sites)
+        near = [(d, s) for d, s in near[:4] if d <= NEIGHBOUR_OCTAVES]
+        if not near:
+            return None
+        util = np.zeros(len(m))
+        total = 0.0
+        for d, (sn, sk) in near:
+            xs, ys = sites[(sn, sk)]
+            lat = interp_hold(m, xs, ys, lambda x, sn=sn, sk=sk: self.sol(dtype, x, sn, sk))
+            util += self.sol(dtype, m, sn, sk) / lat / d
+            total += 1.0 / d
+        return self.sol(dtype, m, n, k) / (util / total)
+
+
+class AttentionGrid:
+    """One attention table slice (head layout, dtypes) as a full grid over (batch, length). `values` are seconds
+    (decode) or sqrt(seconds) (prefill); cells beyond the measured staircase hold the utilisation against `sol`
+    (same transform) of the longest measured length of their batch; holes inside are linear between neighbours."""
+
+    def __init__(self, b: np.ndarray, s: np.ndarray, values: np.ndarray, sol):
+        grid = values.copy()
+        keep = []
+        for i in range(len(b)):
+            row = grid[i]
+            ok = np.flatnonzero(np.isfinite(row))
+            if not len(ok):
+                continue
+            keep.append(i)
+            first, last = ok[0], ok[-1]
+            row[:first] = row[first]
+            util = sol(b[i], s[last]) / row[last]
+            for j in range(last + 1, len(s)):
+                row[j] = sol(b[i], s[j]) / util
+            inside = np.isfinite(row[first:last + 1])
+            row[first:last + 1] = np.interp(s[first:last + 1], s[first:last + 1][inside], row[first:last + 1][inside])
+            grid[i] = monotone(row)
+        grid = grid[keep]
+        for j in range(grid.shape[1]):   # and along the batch
+            grid[:, j] = monotone(grid[:, j])
+        self.bs, self.ss, self.grid = b[keep], s, grid
+
+    def row(self, b: int) -> list[float]:
+        """The grid's curve over lengths for batch `b`: linear between measured batches, in proportion to the
+        batch beyond the largest."""
+        bs, grid = self.bs, self.grid
+        if b <= bs[0]:
+            r = grid[0]
+        elif b >= bs[-1]:
+            r = grid[-1] * (b / bs[-1])
+        else:
+            i = int(np.searchsorted(bs, b))
+            f = (b - bs[i - 1]) / (bs[i] - bs[i - 1])
+            r = grid[i - 1] + f * (grid[i] - grid[i - 1])
+        return r.tolist()
+
+
+class QuantTable:
+    """Measured time of a per-tensor FP8 activation quantisation step over (m tokens, k features): linear in m,
+    and in k between measured k (the nearest k beyond them)."""
+
+    def __init__(self, df):
+        df = df.drop_duplicates(["m", "k"]).sort_values(["k", "m"])
+        self.ks = sorted(int(k) for k in df["k"].unique())
+        self.curves = {int(k): (g["m"].to_numpy(float), g["latency"].to_numpy(float) * MS)
+                       for k, g in df.groupby("k", sort=False)}
+
+    def latency(self, k: int, m: np.ndarray) -> np.ndarray:
+        ks = self.ks
+        i = bisect.bisect_left(ks, k)
+        if i < len(ks) and ks[i] == k or i == 0 or i == len(ks):
+            return np.interp(m, *self.curves[ks[min(i, len(ks) - 1)]])
+        k0, k1 = ks[i - 1], ks[i]
+        f = (k - k0) / (k1 - k0)
+        return (1 - f) * np.interp(m, *self.curves[k0]) + f * np.interp(m, *self.curves[k1])
+
+
+def _interp_row(xs: list[float], ys: list[float], x: float) -> float:
+    """Scalar linear interpolation on a sorted grid, clamped at both ends: np.interp's arithmetic on one value
+    (the same operations in the same order, so a step and its vectorised repeats give the same floats)."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    return slope * (x - xs[i - 1]) + ys[i - 1]
+
+
+class MeasuredKernels(RooflineKernels):
+    """The op list priced from the measured tables of `system` for `backend`, the roofline where they miss."""
+
+    measured = True
+
+    def __init__(self, work: StepWork, terms: DeviceTerms, *, system: str, backend: str, custom_allreduce: bool):
+        super().__init__(work, terms)
+        self.system, self.backend = system, backend
+        self.fallbacks: dict[str, str] = {}
+        path = table_file(system, "gemm", backend, "gemm_perf.parquet")
+        self.gemm = GemmTable(read_table(path), work.hw) if path else None
+        # FP8 checkpoints carry static activation scales: the tables' fp8 rows include computing a dynamic scale,
+        # which comes off, and for GEMMs whose input the previous kernel already wrote in FP8 (O after attention,
+        # down after the fused activation) the quantisation too - the package's own `fp8_static` rule
+        self.quant = {name: QuantTable(read_table(p)) for name in ("computescale", "scale_matrix")
+                      if (p := table_file(system, "quantize", backend, f"{name}_perf.parquet")) is not None}
+        self.gemm_ops = self._gemm_ops()
+        self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
+        heads = max(1, work.model.num_heads // work.tp)
+        kv_heads = max(1, math.ceil(work.model.num_kv_heads / work.tp))
+        self.decode_grid = self._attention_grid("decode", heads, kv_heads)
+        self.prefill_grid = self._attention_grid("prefill", heads, kv_heads)
+        self.allreduce_curve = self._allreduce_curve(custom_allreduce) if work.num_allreduce else None
+        self._decode_rows: dict[int, list[float]] = {}
+        self._prefill_rows: dict[int, list[float]] = {}
+        self._decode_xs = self.decode_grid.ss.tolist() if self.decode_grid else []
+        self._prefill_xs = self.prefill_grid.ss.tolist() if self.prefill_grid else []
+
+    def describe(self) -> str:
+        text = f"measured kernels ({self.system}, {self.backend})"
+        if self.fallbacks:
+            text += "; roofline for " + "; ".join(f"{op} ({why})" for op, why in sorted(self.fallbacks.items()))
+        return text
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    def _gemm_ops(self) -> list[tuple[str, int, int, int, str]]:
+        """The step's GEMMs other than the routed experts: (name, n, k, calls per step, gemm dtype)."""
+        w = self.work
+        m, tp, h = w.model, w.tp, w.model.hidden_size
+        dtype = GEMM_DTYPES.get(w.weight_format.name)
+        heads = max(1, m.num_heads // tp)
+        kv_heads = max(1, math.ceil(m.num_kv_heads / tp))
+        dense = m.num_layers - m.num_moe_layers
+        shared = m.shared_expert_params_per_moe_layer // (3 * h)
+        ops = [("qkv", (heads + 2 * kv_heads) * m.head_dim, h, m.num_layers, dtype),
+               ("attn_out", h, heads * m.v_head_dim, m.num_layers, dtype),
+               ("mlp_up", (2 if m.gated_mlp else 1) * m.intermediate_size // tp, h, dense, dtype),
+               ("mlp_down", h, m.intermediate_size // tp, dense, dtype),
+               ("router", m.num_experts, h, m.num_moe_layers, "bfloat16"),
+               ("shared_up", 2 * shared // tp, h, m.num_moe_layers if shared else 0, dtype),
+               ("shared_down", h, shared // tp, m.num_moe_layers if shared else 0, dtype),
+               ("lm_head", m.vocab_size // tp, h, 1, "bfloat16")]
+        ops = [op for op in ops if op[3] > 0]
+        if m.kv_latent_dim:   # MLA's projections are low-rank chains the tables do not time as GEMMs
+            self.fallbacks["qkv, attn_out"] = "MLA projections"
+            ops = [op for op in ops if op[0] not in ("qkv", "attn_out")]
+        if self.gemm is None:
+            self.fallbacks["gemm"] = "no GEMM table"
+        elif dtype is None or dtype not in self.gemm.sites:
+            self.fallbacks["gemm"] = f"{w.weight_format.name} GEMMs not measured"
+        return ops
+
+    def _attention_grid(self, kind: str, heads: int, kv_heads: int) -> AttentionGrid | None:
+        w = self.work
+        m, hw = w.model, w.hw
+        name = f"attn_{kind}"
+        kv = KV_DTYPES.get(w.kv_elem_bytes)
+        path = table_file(self.system, "attention", self.backend,
+                          f"{'generation' if kind == 'decode' else 'context'}_attention_perf.parquet")
+        if m.kv_latent_dim or path is None or kv is None:
+            self.fallbacks[name] = ("MLA attention" if m.kv_latent_dim else "no attention table" if path is None
+                                    else f"a KV cache of {w.kv_elem_bytes:g} bytes per element")
+            return None
+        df = read_table(path)
+        sel = df[(df["num_heads"] == heads) & (df["num_key_value_heads"] == kv_heads)
+                 & (df["head_dim"] == m.head_dim) & (df["kv_cache_dtype"] == kv) & (df["attn_dtype"] == "bfloat16")]
+        if "window_size" in sel.columns:
+            sel = sel[sel["window_size"] == 0]
+        if sel.empty:
+            self.fallbacks[name] = f"{heads} query / {kv_heads} KV heads of {m.head_dim} not measured"
+            return None
+        length = sel["isl"] + sel["step"] if kind == "decode" else sel["isl"]
+        sel = sel.assign(length=length).drop_duplicates(["batch_size", "length"])
+        piv = sel.pivot(index="batch_size", columns="length", values="latency").sort_index().sort_index(axis=1)
+        b, s = piv.index.to_numpy(float), piv.columns.to_numpy(float)
+        lat = piv.to_numpy(float) * MS
+        peak, bw, d, kvb = hw.peak(w.attn_dtype), hw.memory_bandwidth_bytes_s, m.head_dim, w.kv_elem_bytes
+        if kind == "decode":
+            def sol(bb, ss):
+                return max(4.0 * bb * heads * d * ss / peak,
+                           bb * (4.0 * heads * d + 2.0 * kv_heads * ss * d * kvb) / bw)
+            return AttentionGrid(b, s, lat, sol)
+
+        def sqrt_sol(bb, ss):
+            return math.sqrt(max(2.0 * bb * ss * ss * heads * d / peak,
+                                 bb * ss * (4.0 * heads * d + 2.0 * kv_heads * d * kvb) / bw))
+        return AttentionGrid(b, s, np.sqrt(lat), sqrt_sol)
+
+    def _moe_curve(self) -> tuple[np.ndarray, np.ndarray] | None:
+        w, m = self.work, self.work.model
+        path = table_file(self.system, "moe", self.backend, "moe_perf.parquet")
+        dtype = MOE_DTYPES.get(w.weight_format.name)
+        if path is None or dtype is None:
+            self.fallbacks["moe"] = "no MoE table" if path is None else f"{w.weight_format.name} experts"
+            return None
+        df = read_table(path)
+        inter = m.expert_params // (3 * m.hidden_size)
+        ep = w.tp if w.expert_parallel else 1
+        sel = df[(df["moe_dtype"] == dtype) & (df["hidden_size"] == m.hidden_size) & (df["inter_size"] == inter)
+                 & (df["topk"] == m.experts_per_token) & (df["num_experts"] == m.num_experts)
+                 & (df["moe_tp_size"] == w.tp // ep) & (df["moe_ep_size"] == ep)]
+        for dist in MOE_DISTRIBUTIONS:
+            d = sel[sel["distribution"] == dist].drop_duplicates("num_tokens").sort_values("num_tokens")
+            if len(d) >= 2:
+                return d["num_tokens"].to_numpy(float), monotone(d["latency"].to_numpy(float) * MS)
+        self.fallbacks["moe"] = (f"experts {m.hidden_size}x{inter}, top-{m.experts_per_token} of {m.num_experts}, "
+                                 f"tp {w.tp // ep} ep {ep} not measured")
+        return None
+
+    def _allreduce_curve(self, custom: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        tp = self.work.tp
+        tables = []
+        if custom:
+            path = table_file(self.system, "comm", self.backend, "custom_allreduce_perf.parquet")
+            if path is not None:
+                df = read_table(path)
+                graph = df[~df["kernel_source"].str.contains("eager", case=False)]
+                tables.append(graph if len(graph) else df)   # an eager-only backend (Arc B60) times eager kernels
+        root = data_root()
+        for lib in ("nccl", "oneccl"):   # the collective library, newest version first
+            for p in sorted((root / "data" / self.system / "comm" / lib).glob(f"*/{lib}_perf.parquet"),
+                            key=lambda p: version_key(p.parent.name), reverse=True):
+                df = read_table(p)
+                dtype_col = "nccl_dtype" if "nccl_dtype" in df.columns else df.columns[0]
+                tables.append(df[(df["op_name"] == "all_reduce") & (df[dtype_col] == "half")])
+        for df in tables:
+            sel = df[df["num_gpus"] == tp].drop_duplicates("message_size").sort_values("message_size")
+            if len(sel) >= 2:
+                return sel["message_size"].to_numpy(float), monotone(sel["latency"].to_numpy(float) * MS)
+        self.fallbacks["allreduce"] = f"all-reduce over {tp} GPUs not measured"
+        return None
+
+    # ---- pricing ----------------------------------------------------------------------------------------
+    def _gemm_s(self, op: tuple[str, int, int, int, str], tokens: np.ndarray) -> np.ndarray | None:
+        name, n, k, _, dtype = op
+        if self.gemm is None or dtype is None:
+            return None
+        m = np.maximum(tokens, 1.0)
+        lat = self.gemm.latency(dtype, n, k, m)
+        if lat is not None and dtype == "fp8" and "computescale" in self.quant:
+            cut = self.quant["computescale"].latency(k, m)
+            if name in ("attn_out", "mlp_down", "shared_down") and "scale_matrix" in self.quant:
+                cut = cut + self.quant["scale_matrix"].latency(k, m)
+            lat = np.maximum(lat - cut, self.gemm.sol(dtype, m, n, k))
+        return lat
+
+    def _measured(self, f: dict, seconds: np.ndarray, compute_bound) -> None:
+        """Add measured seconds to the features, as compute- or memory-bound as the roofline classes the op."""
+        f["meas_c"] = f["meas_c"] + seconds * compute_bound
+        f["meas_m"] = f["meas_m"] + seconds * (1 - compute_bound)
+
+    def token_features(self, tokens: np.ndarray) -> dict:
+        """The roofline's features with every op the tables time moved to measured seconds."""
+        w = self.work
+        f = super().token_features(tokens)
+        wb, g, mb = w.weight_format.bytes_per_param, self.terms.g_linear, self.terms.memory_fraction
+        for op in self.gemm_ops:
+            name, n, k, calls, _ = op
+            lat = None if name == "lm_head" else self._gemm_s(op, tokens)
+            if lat is None:
+                continue
+            c, m = 2.0 * tokens * n * k * calls / self.linear_peak, n * k * wb * calls / self.bandwidth
+            self._measured(f, lat * calls, c / g >= m / mb)
+            f["lin_c"], f["lin_m"] = f["lin_c"] - c, f["lin_m"] - m
+            f["floors"] = f["floors"] - calls
+        if self.moe_curve is not None:
+            mm = w.model
+            lat = mm.num_moe_layers * interp_hold(tokens, *self.moe_curve, lambda x: x)
+            c = 2.0 * tokens * mm.num_moe_layers * mm.experts_per_token * mm.expert_params / w.tp / self.linear_peak
+            m = mm.num_moe_layers * w.experts_touched(tokens) * w.expert_bytes / self.bandwidth
+            self._measured(f, lat, c / g >= m / mb)
+            f["lin_c"], f["lin_m"] = f["lin_c"] - c, f["lin_m"] - m
+            f["floors"] = f["floors"] - 2 * mm.num_moe_layers   # the expert GEMMs replace the MLP's two
+        # what the tables price leaves no linear work but rounding: clamp it away
+        f["lin_c"], f["lin_m"] = np.maximum(f["lin_c"], 0.0), np.maximum(f["lin_m"], 0.0)
+        if self.allreduce_curve is not None:
+            xs, ys = self.allreduce_curve
+            f["meas_comm"] = w.num_allreduce * interp_hold(np.maximum(tokens * w.model.hidden_size, xs[0]), xs, ys,
+                                                           lambda x: x)
+            f["ar_calls"], f["ar_link"] = 0.0 * tokens, 0.0 * tokens
+        return f
+
+    def logit_features(self, logits: np.ndarray) -> dict:
+        f = super().logit_features(logits)
+        lm = self.gemm_ops[-1]
+        lat = self._gemm_s(lm, logits) if lm[0] == "lm_head" else None
+        if lat is not None:
+            t = self.terms
+            self._measured(f, lat * (logits > 0), f["lm_c"] / t.g_lm_head >= f["lm_m"] / t.memory_fraction)
+            f["lm_c"], f["lm_m"], f["floors"] = 0.0 * logits, 0.0 * logits, 0.0 * logits
+        return f
+
+    def attention_features(self, prefill_chunks, num_decode, context_tokens) -> dict:
+        f = super().attention_features(prefill_chunks, num_decode, context_tokens)
+        if self.prefill_grid is not None:
+            for i, chunks in enumerate(prefill_chunks):
+                if chunks:
+                    f["meas_c"][i] += self._prefill_s(chunks)
+                    f["floors"][i] -= self.work.model.num_layers
+            f["pre_c"], f["pre_m"] = 0.0 * f["pre_c"], 0.0 * f["pre_m"]
+        if self.decode_grid is not None:
+            rows = {}
+            for b in np.unique(num_decode):
+                if b > 0:
+                    rows[int(b)] = self._decode_s(int(b), context_tokens[num_decode == b])
+            sec = np.zeros(len(num_decode))
+            for b, s in rows.items():
+                sec[num_decode == b] = s
+            f["meas_m"] = f["meas_m"] + sec
+            f["floors"] = f["floors"] - self.work.model.num_layers * (num_decode > 0)
+            f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], 0.0 * f["dec_m"]
+        return f
+
+    def _prefill_s(self, chunks: list[tuple[int, int]]) -> float:
+        """Measured seconds of the prefill chunks' attention over all layers."""
+        grid, w = self.prefill_grid, self.work
+        pairs = full = 0.0
+        for c, k in chunks:
+            pairs += c * (k + c / 2.0)
+            full += k + c
+        b = len(chunks)
+        s = full / b
+        row = self._prefill_rows.get(b)
+        if row is None:
+            row = self._prefill_rows[b] = grid.row(b)
+        per_layer = _interp_row(self._prefill_xs, row, s) ** 2 * pairs / (b * s * s / 2.0)
+        layers = w.full_layers
+        if w.sliding_layers:   # a window caps the pairs each query sees
+            layers = layers + w.sliding_layers * sum(c * min(k + c / 2.0, w.window) for c, k in chunks) / pairs
+        return per_layer * layers
+
+    def _decode_s(self, num_decode: int, context_tokens):
+        """Measured seconds of the decodes' attention over all layers (float, or array over contexts)."""
+        grid, w = self.decode_grid, self.work
+        row = self._decode_rows.get(num_decode)
+        if row is None:
+            row = self._decode_rows[num_decode] = grid.row(num_decode)
+        mean = context_tokens / num_decode
+        if isinstance(mean, np.ndarray):
+            sec = np.interp(mean, self._decode_xs, row) * w.full_layers
+            if w.sliding_layers:
+                sec = sec + np.interp(np.minimum(mean, w.window), self._decode_xs, row) * w.sliding_layers
+            return sec
+        sec = _interp_row(self._decode_xs, row, mean) * w.full_layers
+        if w.sliding_layers:
+            sec += _interp_row(self._decode_xs, row, min(mean, w.window)) * w.sliding_layers
+        return sec
+
+    def prefill(self, chunks: list[tuple[int, int]]):
+        if self.prefill_grid is None:
+            return super().prefill(chunks)
+        sec = self._prefill_s(chunks)
+        return sec, sec, 0.0, sec
+
+    def decode(self, num_decode, context_tokens, maximum=max):
+        if self.decode_grid is None:
+            return super().decode(num_decode, context_tokens, maximum)
+        sec = self._decode_s(num_decode, context_tokens)
+        return sec, 0.0 * sec, sec, sec

@@ -1,0 +1,118 @@
+"""Step time: the kernels' GPU time for a batch shape, then CUDA-graph replay or eager launches, then host time.
+
+`CostModel.step(shape)` is what a replica waits for each step. The GPU part comes from a kernel model
+(`RooflineKernels`, or `MeasuredKernels` where tables exist); everything that depends only on the step's token
+count (GEMMs, elementwise kernels, communication) is priced for whole ranges of token counts at once and looked
+up, so a step costs a few table reads plus its attention. The engine's mechanisms follow (cost/timing.py): a
+captured CUDA graph replays the step in one launch, an eager step lasts at least as long as the host needs to
+enqueue its kernels, and host work (scheduling, output processing, per-sequence sampling, grammar masks) adds to
+the step unless the engine overlaps it with the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from simengine.core.batch import BatchShape
+from simengine.cost.roofline import RooflineKernels
+from simengine.cost.timing import EngineTiming
+
+
+class StepCost(NamedTuple):
+    """Seconds of one step and where they went: compute-bound, memory-bound and communication GPU time, the rest
+    (kernel floors, launches, exposed host time) as overhead; `measured_s` of them came from measured kernels."""
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+    measured_s: float = 0.0
+
+
+def step_seconds(gpu, cuda_graph, host_extra, t: EngineTiming, launch_s, maximum=max):
+    """Step seconds from GPU seconds: a captured CUDA graph replays in one launch; an eager step lasts at least as
+    long as the host takes to enqueue its kernels; then the host work the engine does not overlap with the GPU.
+    Floats or arrays (`cuda_graph` a bool or a bool array; the blend by 0/1 is exact)."""
+    total = cuda_graph * (gpu + t.graph_replay_s) + (1 - cuda_graph) * maximum(gpu, launch_s)
+    return total + t.exposed_host_s(total, host_extra)
+
+
+class CostModel:
+    """Step time of one replica: `kernels` for the GPU, `timing` for the engine's launch and host mechanisms."""
+
+    def __init__(self, kernels: RooflineKernels, timing: EngineTiming, *, grammar_mask_s: float = 0.0):
+        self.kernels, self.timing = kernels, timing
+        self.work = kernels.work
+        self.model, self.tp, self.pp = self.work.model, self.work.tp, self.work.pp
+        self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
+        self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * self.model.num_layers
+        self._tok: list[tuple[float, ...]] = []   # per token count: (gpu, compute, memory, comm, measured)
+        self._lm: list[tuple[float, ...]] = []    # per logits count: (gpu, compute, memory, measured)
+
+    def describe(self) -> str:
+        return self.kernels.describe()
+
+    # ---- cached per token / logits count --------------------------------------------------------------
+    def _grow(self, cache: list, need: int, price) -> None:
+        n = 1 << max(need, 255).bit_length()
+        cols = price(np.arange(n, dtype=float))
+        rows = np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols])
+        cache[:] = list(zip(*(r.tolist() for r in rows), strict=True))
+
+    def token_parts(self, tokens: int) -> tuple[float, ...]:
+        if tokens >= len(self._tok):
+            self._grow(self._tok, tokens, self.kernels.tokens)
+        return self._tok[tokens]
+
+    def logit_parts(self, logits: int) -> tuple[float, ...]:
+        if logits >= len(self._lm):
+            self._grow(self._lm, logits, self.kernels.logits)
+        return self._lm[logits]
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    def step(self, shape: BatchShape) -> StepCost:
+        """Price one forward pass."""
+        chunks = shape.prefill_chunks
+        num_decode = shape.num_decode
+        prefill = 0
+        for c, _ in chunks:
+            prefill += c
+        tok = self.token_parts(prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode))
+        lm = self.logit_parts(shape.num_logits)
+        gpu, compute, memory, measured = tok[0] + lm[0], tok[1] + lm[1], tok[2] + lm[2], tok[4] + lm[3]
+        if chunks:
+            a = self.kernels.prefill(chunks)
+            gpu, compute, memory, measured = gpu + a[0], compute + a[1], memory + a[2], measured + a[3]
+        if num_decode:
+            a = self.kernels.decode(num_decode, shape.decode_context_tokens)
+            gpu, compute, memory, measured = gpu + a[0], compute + a[1], memory + a[2], measured + a[3]
+        t = self.timing
+        host = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
+        seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
+        comm = tok[3]
+        return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
+
+    def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
+        """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
+        decode step), in one numpy pass: one row of StepCost fields per context, bit for bit `step`'s (the same
+        operations in the same order; tests/test_cost_model.py)."""
+        if shape.prefill_chunks:
+            raise ValueError("decode_steps prices decode-only shapes")
+        num_decode = shape.num_decode
+        tok = self.token_parts(shape.padded_decode if shape.padded_decode > num_decode else num_decode)
+        lm = self.logit_parts(shape.num_logits)
+        a = self.kernels.decode(num_decode, contexts.astype(np.float64), np.maximum)
+        out = np.empty((len(contexts), len(StepCost._fields)))
+        gpu = (tok[0] + lm[0]) + a[0]
+        compute = out[:, 1] = (tok[1] + lm[1]) + a[1]
+        memory = out[:, 2] = (tok[2] + lm[2]) + a[2]
+        out[:, 5] = (tok[4] + lm[3]) + a[3]
+        comm = out[:, 3] = tok[3]
+        t = self.timing
+        host = t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s
+        seconds = out[:, 0] = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s, np.maximum)
+        out[:, 4] = seconds - compute - memory - comm
+        return out

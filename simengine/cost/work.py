@@ -1,0 +1,129 @@
+"""The operators of one forward pass on one device and their work: FLOPs, bytes, kernels, messages.
+
+Both step-time models (the roofline, and measured kernels where tables exist) price this one op list
+(docs/cost-model.md):
+
+- linear: the layers' GEMMs (QKV, O, gate/up, down; MoE: the routed experts the step's tokens touch, shared
+  experts, router) at the weights' compute dtype;
+- lm_head: the output projection for the tokens that need logits;
+- attn_prefill: causal attention of the prefill chunks (c tokens after k cached: c (k + c/2) query-key pairs);
+- attn_decode: one query per decoding request over its whole context;
+- elementwise: norms, residual adds, activation, RoPE and the KV write: memory-bound, one kernel each;
+- allreduce: tensor parallelism's two all-reduces of tokens x hidden per layer;
+- all_to_all, pp_send: expert parallelism's dispatch and combine; pipeline stage hand-offs.
+
+Work here is physics only: no efficiency, no measured time. `roofline.py` and `measured.py` turn it into seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
+from simengine.config.hardware import Hardware
+from simengine.config.model import ModelSpec
+
+ACT_BYTES = 2.0            # activations are 16-bit in every engine modelled
+GEMM_KERNELS_PER_LAYER = 4     # QKV, O, gate/up, down (MoE layers: the grouped expert GEMMs take the MLP's two)
+ELEMENTWISE_KERNELS_PER_LAYER = 4  # two norms (+ residual adds), the activation, RoPE with the KV write
+
+
+class StepWork:
+    """Per-device work of one replica of `model` on `tp` x `pp` devices of `hw` (tensor parallel splits every GEMM
+    and attention head; pipeline stages run one after another, so a step's time covers all layers)."""
+
+    def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
+                 tp: int = 1, pp: int = 1, expert_parallel: bool = False):
+        m = self.model = model
+        self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
+        self.kv_elem_bytes = kv_elem_bytes
+        self.compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)
+        # attention and the LM head compute in 16-bit (engines keep the output projection unquantised)
+        self.attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops
+                                                                   else self.compute_dtype)
+        wb = weight_format.bytes_per_param
+        self.dense_weight_bytes = m.dense_linear_params * wb / tp
+        self.expert_bytes = m.expert_params * wb / tp
+        self.lm_head_bytes = m.lm_head_params * weight_format.lm_head_bytes_per_param / tp
+        self.lm_head_dtype = self.compute_dtype if weight_format.lm_head_bytes_per_param == wb else self.attn_dtype
+        self.linear_flops_per_token = 2.0 * m.active_linear_params / tp
+        self.lm_head_flops_per_token = 2.0 * m.lm_head_params / tp
+        # elementwise traffic per token per layer: two norms (+ residual) read and write the hidden state (4 x 2h),
+        # the gated activation reads 2 x width and writes width, RoPE reads and writes Q and K
+        mlp_width = (m.experts_per_token * m.expert_params / 3 / m.hidden_size if m.is_moe
+                     else m.intermediate_size) / tp
+        qk_width = (m.num_heads + m.num_kv_heads) * m.qk_head_dim / tp
+        self.elementwise_bytes_per_token = ACT_BYTES * m.num_layers * (8 * m.hidden_size + 3 * mlp_width
+                                                                       + 2 * qk_width)
+        kv_heads_per_device = max(1.0, m.num_kv_heads / tp)
+        self.kv_bytes_layer = m.kv_bytes_per_token_layer(kv_elem_bytes) * (
+            1.0 if m.kv_latent_dim else kv_heads_per_device / m.num_kv_heads)
+        self.kv_write_bytes_per_token = self.kv_bytes_layer * m.num_layers
+        self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / tp
+        self.full_layers, self.sliding_layers, self.window = (m.num_full_attention_layers, m.num_sliding_layers,
+                                                              m.sliding_window)
+        # kernels of the token-count ops (each attention op and the LM head count their own)
+        self.token_kernels = m.num_layers * (GEMM_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER)
+        # communication
+        self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
+        self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
+        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1) else 0
+        if self.num_all_to_all:   # EP: each MoE layer's all-reduce becomes a dispatch + combine (DeepSpeed-MoE)
+            self.num_allreduce -= m.num_moe_layers
+        self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
+        self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
+        self.expert_parallel = expert_parallel
+
+    # ---- ops that depend only on the step's token count ----------------------------------------------------
+    def experts_touched(self, tokens):
+        """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing); arrays too."""
+        m = self.model
+        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
+
+    def linear(self, tokens):
+        """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once, FLOPs per token."""
+        weight_bytes = self.dense_weight_bytes + 0.0 * tokens
+        if self.model.num_experts:
+            weight_bytes = weight_bytes + self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
+        return tokens * self.linear_flops_per_token, weight_bytes
+
+    def elementwise_bytes(self, tokens):
+        return tokens * (self.elementwise_bytes_per_token + self.kv_write_bytes_per_token)
+
+    def lm_head(self, logits):
+        """(FLOPs, bytes) of the output projection for `logits` tokens (nothing when none needs logits)."""
+        return logits * self.lm_head_flops_per_token, self.lm_head_bytes * (logits > 0)
+
+    # ---- attention ------------------------------------------------------------------------------------------
+    def prefill_attention(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(FLOPs, bytes) of causal attention over the prefill chunks (c new tokens after k cached each)."""
+        pairs = read = 0.0
+        for c, k in chunks:
+            pairs += c * (k + c / 2.0)
+            read += k + c
+        flops = pairs * self.attn_flops_per_pair * self.full_layers
+        nbytes = read * self.kv_bytes_layer * self.full_layers
+        if self.sliding_layers:
+            w = self.window
+            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in chunks)
+            sl_read = sum(min(k + c, w) for c, k in chunks)
+            flops += sl_pairs * self.attn_flops_per_pair * self.sliding_layers
+            nbytes += sl_read * self.kv_bytes_layer * self.sliding_layers
+        return flops, nbytes
+
+    def decode_attention(self, num_decode, context_tokens):
+        """(FLOPs, bytes) of decode attention: `num_decode` queries over `context_tokens` cached tokens in all
+        (sliding-window layers read at most their window of each request's mean context); arrays too."""
+        flops = context_tokens * self.attn_flops_per_pair * self.full_layers
+        nbytes = context_tokens * self.kv_bytes_layer * self.full_layers
+        if self.sliding_layers:
+            mean_ctx = context_tokens / np.maximum(num_decode, 1)
+            read = num_decode * np.minimum(self.window, mean_ctx)
+            flops = flops + read * self.attn_flops_per_pair * self.sliding_layers
+            nbytes = nbytes + read * self.kv_bytes_layer * self.sliding_layers
+        return flops, nbytes
+
+    # ---- communication --------------------------------------------------------------------------------------
+    def allreduce_bytes(self, tokens):
+        """Bytes one tensor-parallel all-reduce moves per device over the ring: 2 (tp-1)/tp x tokens x hidden."""
+        return self.ring_factor * tokens * self.allreduce_bytes_per_token

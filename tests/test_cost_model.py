@@ -1,0 +1,202 @@
+"""The step-time model: the roofline checked by hand, the engine tail, measured kernels against their tables, and
+repeated steps priced bit for bit as single steps."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simengine.config.dtypes import WEIGHT_FORMATS
+from simengine.core.batch import BatchShape
+from simengine.cost.measured import MeasuredKernels, data_root, read_table, table_file
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.step import CostModel
+from simengine.cost.timing import EngineTiming
+from simengine.cost.work import StepWork
+from tests.conftest import make_dep
+
+NO_OVERHEAD = EngineTiming(scheduler_cpu_s=0.0, output_cpu_s=0.0, overlap=False, kernel_launch_s=0.0,
+                           graph_replay_s=0.0)
+TERMS = dict(gemm_fractions={"default": 0.5, "fp8": 0.4}, memory_bandwidth_fraction=0.8, kernel_floor_s=2e-6,
+             link_latency_s=10e-6, link_bandwidth_fraction=0.5, custom_allreduce_latency_s=None)
+needs_tables = pytest.mark.skipif(data_root() is None, reason="aiconfigurator-core is not installed")
+
+
+def work_of(dep, **terms):
+    hw = dataclasses.replace(dep.hardware, **{**TERMS, **terms})
+    return StepWork(dep.model, hw, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp,
+                    pp=dep.pp, expert_parallel=dep.expert_parallel)
+
+
+def cost(dep, timing=NO_OVERHEAD, custom=False, **terms) -> CostModel:
+    w = work_of(dep, **terms)
+    return CostModel(RooflineKernels(w, DeviceTerms.of(w, w.hw, custom_allreduce=custom)), timing)
+
+
+def test_one_decode_is_bound_by_reading_the_weights():
+    dep = make_dep()
+    hw = dep.hardware
+    c = cost(dep).step(BatchShape(num_decode=1, decode_context_tokens=1000, num_logits=1, padded_decode=1))
+    bw = hw.memory_bandwidth_bytes_s * 0.8
+    # by hand: linear weights (32 layers x 218.1M params) + LM head (128256 x 4096), 2 bytes each
+    per_layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    weights = (32 * per_layer + 128256 * 4096) * 2
+    elementwise = 2 * 32 * (8 * 4096 + 3 * 14336 + 2 * (32 + 8) * 128) + 2 * 32 * 8 * 128 * 2   # + the KV write
+    kv = 1000 * 2 * 8 * 128 * 2 * 32
+    assert c.memory_s == pytest.approx((weights + elementwise + kv) / bw, rel=1e-9)
+    assert c.compute_s == 0.0 and c.comm_s == 0.0
+    kernels = 32 * 8 + 1 + 32   # GEMMs and elementwise per layer, the LM head, decode attention per layer
+    assert c.overhead_s == pytest.approx(kernels * 2e-6, rel=1e-9)
+    assert 5e-3 < c.seconds < 8e-3  # ~16 GB at ~2.7 TB/s
+
+
+def test_large_prefill_is_compute_bound():
+    dep = make_dep()
+    hw = dep.hardware
+    c = cost(dep).step(BatchShape(prefill_chunks=[(4096, 0)], num_logits=1))
+    flops_s = hw.peak("bf16") * 0.5
+    linear = 4096 * 2 * dep.model.active_linear_params       # the LM head for one logit is memory-bound
+    attn = 4096 * (0 + 4096 / 2) * 2 * 32 * (128 + 128) * 32
+    assert c.compute_s == pytest.approx((linear + attn) / flops_s, rel=1e-9)
+
+
+def test_crossover_near_peak_over_bandwidth():
+    cm = cost(make_dep())
+    small = cm.step(BatchShape(num_decode=64, decode_context_tokens=64, num_logits=64, padded_decode=64))
+    big = cm.step(BatchShape(num_decode=1024, decode_context_tokens=1024, num_logits=1024, padded_decode=1024))
+    assert small.compute_s == 0 and big.compute_s > 0
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_tp2_halves_weights_per_device_and_adds_allreduce(custom):
+    one, two = make_dep(), make_dep(tp=2)
+    shape = BatchShape(num_decode=8, decode_context_tokens=8000, num_logits=8, padded_decode=8)
+    c2 = cost(two, custom=custom, custom_allreduce_latency_s=4e-6).step(shape)
+    lat = 4e-6 if custom else 10e-6
+    per_call = lat + 2 * (2 - 1) / 2 * 8 * 4096 * 2 / (two.hardware.link_bandwidth_bytes_s * 0.5)
+    assert c2.comm_s == pytest.approx(2 * 32 * per_call, rel=1e-9)
+    w1, w2 = work_of(one), work_of(two)
+    assert w2.dense_weight_bytes == pytest.approx(w1.dense_weight_bytes / 2)
+
+
+def test_moe_reads_more_experts_as_the_batch_grows():
+    w = work_of(make_dep(hardware="h200_sxm", model="mixtral-8x7b"))
+    assert w.experts_touched(1) == pytest.approx(2.0)
+    assert 7.9 < w.experts_touched(64) <= 8.0
+
+
+def test_overheads_sync_vs_overlap_and_eager_launches():
+    dep = make_dep()
+    shape = BatchShape(num_decode=1, decode_context_tokens=100, num_logits=1, padded_decode=1)
+    gpu = cost(dep).step(shape).seconds
+    sync = EngineTiming(scheduler_cpu_s=2e-3, output_cpu_s=1e-3, overlap=False, kernel_launch_s=0.0)
+    over = EngineTiming(scheduler_cpu_s=2e-3, output_cpu_s=1e-3, overlap=True, kernel_launch_s=0.0)
+    assert cost(dep, sync).step(shape).seconds == pytest.approx(gpu + 3e-3)
+    assert cost(dep, over).step(shape).seconds == pytest.approx(gpu)  # hidden behind a ~6 ms GPU step
+    eager = EngineTiming(scheduler_cpu_s=0, output_cpu_s=0, overlap=True, kernel_launch_s=50e-6)
+    assert cost(dep, eager).step(shape).seconds == pytest.approx(max(gpu, 50e-6 * 12 * 32))
+    graph = dataclasses.replace(shape, cuda_graph=True)
+    assert cost(dep, dataclasses.replace(eager, graph_replay_s=20e-6)).step(graph).seconds == pytest.approx(gpu + 2e-5)
+
+
+def test_fp8_weights_use_the_fp8_peak_and_fraction_and_keep_a_16_bit_lm_head():
+    from simengine.errors import InputError
+    dep8 = make_dep(weight_dtype="fp8")
+    w = work_of(dep8)
+    assert (w.compute_dtype, w.lm_head_dtype) == ("fp8", "bf16")
+    t = DeviceTerms.of(w, w.hw, custom_allreduce=False)
+    assert (t.g_linear, t.g_lm_head, t.g_attn) == (0.4, 0.5, 0.5)
+    big = BatchShape(prefill_chunks=[(8192, 0)], num_logits=1)
+    assert cost(dep8).step(big).seconds < cost(make_dep()).step(big).seconds
+    assert w.lm_head_bytes == dep8.model.lm_head_params * 2.0
+    with pytest.raises(InputError, match="fp8 tensor cores"):
+        work_of(make_dep(hardware="a100_80g_sxm", weight_dtype="fp8"))
+
+
+def test_expert_parallel_swaps_moe_allreduce_for_all_to_all():
+    tp4 = make_dep(hardware="h200_sxm", model="mixtral-8x7b", tp=4)
+    ep4 = dataclasses.replace(tp4, expert_parallel=True)
+    shape = BatchShape(num_decode=64, decode_context_tokens=64000, num_logits=64, padded_decode=64)
+    c_tp, c_ep = cost(tp4).step(shape), cost(ep4).step(shape)
+    hw = tp4.hardware
+    ar = 10e-6 + 2 * 3 / 4 * 64 * 4096 * 2 / (hw.link_bandwidth_bytes_s * 0.5)
+    a2a = 10e-6 + 64 * 2 * 4096 * 2 * 3 / 4 / hw.link_bandwidth_bytes_s
+    assert c_tp.comm_s == pytest.approx(64 * ar)
+    assert c_ep.comm_s == pytest.approx(32 * ar + 64 * a2a)
+
+
+def kernel_models(hardware, model, tp, weight_dtype="bf16", kv=2.0, backend="trtllm", timing=NO_OVERHEAD):
+    dep = make_dep(hardware, model, weight_dtype=weight_dtype, kv_dtype="fp8" if kv == 1.0 else "bf16", tp=tp)
+    w = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=kv, tp=tp)
+    t = DeviceTerms.of(w, dep.hardware, custom_allreduce=True)
+    out = [CostModel(RooflineKernels(w, t), timing)]
+    if data_root() is not None and dep.hardware.kernel_tables:
+        out.append(CostModel(MeasuredKernels(w, t, system=dep.hardware.kernel_tables, backend=backend,
+                                             custom_allreduce=True), timing))
+    return out
+
+
+@needs_tables
+def test_measured_gemms_and_attention_are_the_tables_values_at_measured_points():
+    """A measured point is its table value, less where a larger problem was timed faster (curves are made
+    non-decreasing: a smaller problem could run padded)."""
+    (_, m) = kernel_models("h100_sxm", "llama-3.1-8b", 1)
+    k = m.kernels
+    gemm = read_table(table_file("h100_sxm", "gemm", "trtllm", "gemm_perf.parquet"))
+    site = gemm[(gemm.gemm_dtype == "bfloat16") & (gemm.n == 4096) & (gemm.k == 4096)]
+    qkv_like = k.gemm.latency("bfloat16", 4096, 4096, np.array([64.0]))[0]
+    assert qkv_like == pytest.approx(site[site.m >= 64].latency.min() * 1e-3, rel=1e-12)
+    gen = read_table(table_file("h100_sxm", "attention", "trtllm", "generation_attention_perf.parquet"))
+    cell = gen[(gen.batch_size == 64) & (gen.num_heads == 32) & (gen.num_key_value_heads == 8) & (gen.head_dim == 128)
+               & (gen.kv_cache_dtype == "bfloat16") & (gen.window_size == 0) & (gen.isl + gen.step == 1024)]
+    sec = k.decode(64, 64 * 1024)[0]
+    assert cell.latency.iloc[0] * 1e-3 * 32 * 0.95 <= sec <= cell.latency.iloc[0] * 1e-3 * 32 * (1 + 1e-9)
+    assert not k.fallbacks and "measured kernels (h100_sxm, trtllm)" == k.describe()
+
+
+@needs_tables
+def test_measured_kernels_fall_back_to_the_roofline_where_tables_miss_and_say_so():
+    (_, m) = kernel_models("a100_80g_sxm", "llama-3.1-8b", 1, backend="trtllm", kv=1.0)
+    assert "attn_decode" in m.kernels.fallbacks and "roofline for" in m.describe()
+    step = m.step(BatchShape(num_decode=8, decode_context_tokens=8000, num_logits=8, padded_decode=8))
+    assert 0 < step.measured_s < step.seconds      # the GEMMs measured, the fp8-KV attention by the roofline
+
+
+@needs_tables
+def test_fp8_static_scales_take_the_activation_quantisation_off_the_measured_gemm():
+    (_, m) = kernel_models("h100_sxm", "llama-3.1-70b", 4, weight_dtype="fp8")
+    k = m.kernels
+    raw = k.gemm.latency("fp8", 8192, 2048, np.array([1.0]))[0]
+    static = k._gemm_s(("attn_out", 8192, 2048, 80, "fp8"), np.array([1.0]))[0]
+    assert static < raw
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from([("h100_sxm", "llama-3.1-8b", 1), ("h100_sxm", "gpt-oss-20b", 1),
+                             ("h200_sxm", "mixtral-8x7b", 2), ("l4", "qwen2.5-7b", 1), ("mi300x", "llama-3.1-8b", 2),
+                             ("a100_80g_sxm", "llama-2-70b", 4)]),
+       measured=st.booleans(), overlap=st.booleans(), graph=st.booleans(), num_decode=st.integers(1, 300),
+       pad=st.integers(0, 8), structured=st.integers(0, 3), context=st.integers(0, 2_000_000),
+       growth=st.integers(1, 300), repeats=st.integers(1, 40), host_s=st.sampled_from([1e-4, 2e-3, 5e-2]))
+def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(case, measured, overlap, graph, num_decode, pad,
+                                                                 structured, context, growth, repeats, host_s):
+    """The repeated-step pricing (one numpy pass) gives step()'s floats exactly, for dense, MoE and sliding-window
+    models, roofline and measured kernels, with communication, graphs, eager launches and host time."""
+    timing = EngineTiming(scheduler_cpu_s=host_s, output_cpu_s=4e-4, overlap=overlap, kernel_launch_s=5e-6,
+                          seq_cpu_s=2e-6)
+    models = kernel_models(*case, backend="vllm", timing=timing)
+    c = models[-1] if measured else models[0]
+    c.grammar_mask_s = 3e-5
+    shape = BatchShape(num_decode=num_decode, decode_context_tokens=context, num_logits=num_decode,
+                       padded_decode=num_decode + pad, cuda_graph=graph, num_structured=min(structured, num_decode))
+    contexts = context + growth * np.arange(1, repeats + 1)
+    rows = c.decode_steps(shape, contexts)
+    for ctx, row in zip(contexts.tolist(), rows.tolist()):
+        assert tuple(row) == tuple(c.step(dataclasses.replace(shape, decode_context_tokens=ctx)))
+
+
+def test_weight_formats_know_their_lm_head_bytes():
+    assert WEIGHT_FORMATS["q4_0"].lm_head_bytes_per_param == 210 / 256
+    assert WEIGHT_FORMATS["bf16"].lm_head_bytes_per_param == 2.0
