@@ -2,7 +2,9 @@
 
 Workload: ShareGPT-like (lognormal prompt and output lengths, means ~1000 and ~250 tokens) on Llama-3.1-8B /
 H100 with the vLLM policy at a rate that keeps the replica busy (90% of its measured offline throughput), at
-10k, 100k and 1M requests; every engine at 10k; a bare SimPy loop of 1M timeouts as the machine reference.
+10k, 100k and 1M requests; every engine at 10k, with the default step-time model (measured kernels where the
+kernels extra is installed) and with the roofline alone (`deployment.cost_model: roofline`), to keep the measured
+model's cost on record; a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
 (`--repeat`, default 3) and the fastest counts. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
@@ -26,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def scenario_dict(num_requests: int, rate: float | None, engine: str) -> dict:
+    """`engine` may carry the cost model after a colon: vllm:roofline."""
+    engine, _, cost_model = engine.partition(":")
     arrival = {"process": "poisson", "rate": rate} if rate else {"process": "offline"}
     return {"name": "bench", "seed": 1, "horizon_s": 1e7, "drain_s": 1e6,
-            "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+            "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b", "cost_model": cost_model or "auto"},
             "workload": {"arrival": arrival, "num_requests": num_requests,
                          "input_tokens": {"dist": "lognormal", "mean": 1000, "sigma": 0.8, "max": 8000},
                          "output_tokens": {"dist": "lognormal", "mean": 250, "sigma": 0.8, "max": 2048}},
@@ -119,6 +123,9 @@ def main() -> None:
     runs = {n: best_of(args.repeat if n <= 10_000 else 1, "vllm", n, rate) for n in sizes}
     per_engine = {e: runs[sizes[0]] if e == "vllm" else best_of(args.repeat, e, sizes[0], rate)
                   for e in ENGINES.names() if e != "generic"}
+    roofline = {e: best_of(args.repeat, f"{e}:roofline", sizes[0], rate) for e in per_engine}
+    from simengine.cost.measured import data_root
+    measured_on = data_root() is not None
     xs = [math.log(n) for n in sizes]
     ys = [math.log(runs[n]["seconds"]) for n in sizes]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -143,16 +150,25 @@ def main() -> None:
         "cpu_seconds_10k": round(runs.get(10000, runs[first])["cpu_seconds"], 3),
         "per_engine_cpu_ratio_to_vllm": {e: round(r["cpu_seconds"] / per_engine["vllm"]["cpu_seconds"], 2)
                                          for e, r in per_engine.items()},
+        # the default model (measured kernels when the kernels extra is installed) against the roofline alone
+        "measured_kernels_installed": measured_on,
+        "per_engine_roofline_seconds_10k": {e: round(r["seconds"], 3) for e, r in roofline.items()},
+        "per_engine_measured_to_roofline_10k": {e: round(per_engine[e]["seconds"] / r["seconds"], 2)
+                                                for e, r in roofline.items()},
+        "worst_measured_to_roofline_10k": round(max(per_engine[e]["seconds"] / r["seconds"]
+                                                    for e, r in roofline.items()), 2),
         "runs": {str(n): r for n, r in runs.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'measurement':34s} {'value':>12s}")
     for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "requests_per_s_10k",
-              "steps_per_s_10k", "peak_rss_mb_1m", "scaling_exponent", "ratio_10k_to_simpy_1m", "cpu_seconds_10k"):
+              "steps_per_s_10k", "peak_rss_mb_1m", "scaling_exponent", "ratio_10k_to_simpy_1m", "cpu_seconds_10k",
+              "measured_kernels_installed", "worst_measured_to_roofline_10k"):
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():
-        print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm)")
+        print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm; "
+              f"roofline {result['per_engine_roofline_seconds_10k'][e]} s)")
     print(f"wrote {args.out}")
 
 

@@ -33,6 +33,7 @@ class EngineResult:
     itl_counts: np.ndarray
     wall_s: float
     kv_capacity_tokens: int
+    cost_model: str = ""          # which step-time model priced the run (measured kernels, fallbacks, roofline)
 
 
 def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False) -> EngineResult:
@@ -53,7 +54,7 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     summary = {"engine": entry.engine, "label": entry.display, **summary,
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens()}
     return EngineResult(entry.display, summary, req, steps, itl, counts, time.perf_counter() - t0,
-                        res.engines[0].kv_capacity_tokens())
+                        res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe())
 
 
 def compare(scenario: Scenario, engines: list[EngineEntry] | None = None, **kw) -> dict[str, EngineResult]:
@@ -91,8 +92,11 @@ def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir:
             (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
             r.requests.to_csv(d / "requests.csv", index=False, float_format="%.6f")
             r.steps.to_csv(d / "steps.csv", index=False, float_format="%.6f")
+            from simengine.cost.measured import package_version
             (d / "run_info.json").write_text(json.dumps({"wall_seconds": round(r.wall_s, 3),
-                                                         "python_pid": os.getpid()}, indent=2) + "\n")
+                                                         "python_pid": os.getpid(), "cost_model": r.cost_model,
+                                                         "aiconfigurator_core": package_version()},
+                                                        indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -125,6 +125,8 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, itl_ms: np.ndarray, i
         "mean_batch_size": float(steps["batch_size"].mean()) if len(steps) else 0.0,
         "num_steps": int(len(steps)),
         "busy_fraction": float(busy / (duration * replicas)),
+        # share of the steps' time priced from measured kernel tables (the rest: roofline, floors, host time)
+        "measured_kernel_share": float(steps["measured_s"].sum() / busy) if busy > 0 else 0.0,
         "cost_per_1m_output_tokens_usd": cost,
     }
     if classes:
