@@ -200,3 +200,53 @@ def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(case, measured,
 def test_weight_formats_know_their_lm_head_bytes():
     assert WEIGHT_FORMATS["q4_0"].lm_head_bytes_per_param == 210 / 256
     assert WEIGHT_FORMATS["bf16"].lm_head_bytes_per_param == 2.0
+
+
+def test_a_local_profile_is_read_as_measured_tables_for_any_engine(tmp_path, monkeypatch):
+    """`simengine profile` writes kernels/<system>/ in the package's columns; a device that names it is priced from
+    it, whatever the engine's backend (the nearest measured one: the local torch profile)."""
+    from simengine.cost import measured
+    from simengine.validate.profile import gemm_shapes, write_tables
+
+    monkeypatch.setattr(measured, "LOCAL_ROOT", tmp_path)
+    measured.systems.cache_clear()
+    dep = make_dep()
+    gemm = [("bfloat16", m, n, k, 0.001 * m + 0.01) for n, k in set(gemm_shapes(dep.model, 1).values())
+            for m in (1, 64, 4096)]
+    decode = [(b, 1, 32, 8, 128, 0, "bfloat16", "bfloat16", s - 1, 0.002 * b + 1e-5 * s)
+              for b in (1, 8, 64) for s in (64, 1024, 8192)]
+    prefill = [(b, s, 32, 8, 128, 0, "bfloat16", "bfloat16", 0, 1e-6 * b * s * s / 1024) for b in (1, 4)
+               for s in (128, 1024)]
+    write_tables(tmp_path, "mygpu", "2.9.0", gemm, decode, prefill, {"device": "test"})
+    try:
+        assert "mygpu" in measured.systems() and measured.backend_for("mygpu", "vllm") == "torch"
+        hw = dataclasses.replace(dep.hardware, kernel_tables="mygpu")
+        w = StepWork(dep.model, hw, weight_format=dep.weight_format, kv_elem_bytes=2.0)
+        k = MeasuredKernels(w, DeviceTerms.of(w, hw, custom_allreduce=False), system="mygpu", backend="vllm",
+                            custom_allreduce=False)
+        assert k.backend == "torch" and not {"gemm", "attn_decode", "attn_prefill"} & set(k.fallbacks)
+        n, kk = gemm_shapes(dep.model, 1)["mlp_up"]
+        assert k.gemm.latency("bfloat16", n, kk, np.array([64.0]))[0] == pytest.approx((0.001 * 64 + 0.01) * 1e-3)
+        assert k.decode(8, 8 * 1024)[0] == pytest.approx((0.002 * 8 + 1e-5 * 1024) * 1e-3 * 32)
+    finally:
+        measured.systems.cache_clear()
+
+
+def test_profile_writes_tables_the_measured_model_reads(tmp_path):
+    pytest.importorskip("torch")
+    from simengine.validate.profile import profile_command
+
+    text = profile_command("llama-3.1-8b", out=str(tmp_path), device="cpu", dtype="bf16", tp=8, quick=True)
+    system = text.rsplit("kernel_tables: ", 1)[1]
+    gemm = read_table(next(tmp_path.glob(f"{system}/gemm/torch/*/gemm_perf.csv")))
+    assert {"gemm_dtype", "m", "n", "k", "latency"} <= set(gemm.columns) and (gemm.latency > 0).all()
+
+
+def test_bad_profile_arguments_are_input_errors():
+    from simengine.errors import InputError
+    from simengine.validate.profile import profile_command
+
+    with pytest.raises(InputError, match="--dtype"):
+        profile_command("llama-3.1-8b", out=None, device="cpu", dtype="int3", tp=1, quick=True)
+    with pytest.raises(InputError, match="--tp"):
+        profile_command("llama-3.1-8b", out=None, device="cpu", dtype="bf16", tp=0, quick=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from simengine.api import run_engine
-from simengine.config.loader import from_dict
 from simengine.config.hardware import load_hardware
+from simengine.config.loader import from_dict
 from simengine.config.scenario import Scenario, load_scenario
 from simengine.cost.measured import data_root
 

@@ -133,3 +133,17 @@ def test_pipeline_parallel_keeps_micro_batches_in_flight():
         VllmEngine.supports_pipeline_microbatches = True
     assert piped["completed"] == serial["completed"] == 200
     assert piped["output_throughput"] > 2.0 * serial["output_throughput"]
+
+
+def test_the_frontend_delays_every_request_by_its_latency():
+    """frontend_s shifts each request's TTFT and E2E by exactly its size (open loop: the schedule is the same)."""
+    from simengine.sim import runner
+
+    sc = make_scenario(workload__num_requests=40, engines=["sglang"])
+    base = run_engine(sc, sc.engines[0]).requests
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "read_engine_terms", lambda path=None: {"sglang": {"frontend_s": 0.25}})
+        late = run_engine(sc, sc.engines[0]).requests
+    prior = Runner(sc, sc.engines[0]).frontend_s   # the engine's own value (or the shipped fit's)
+    np.testing.assert_allclose(late["ttft_ms"], base["ttft_ms"] + (0.25 - prior) * 1e3, atol=1e-6)
+    np.testing.assert_allclose(late["tpot_ms"], base["tpot_ms"], atol=1e-9)

@@ -79,6 +79,8 @@ class Hardware:
     link_bandwidth_fraction: float = 1.0
     custom_allreduce_latency_s: float | None = None
     kernel_tables: str | None = None
+    # the physical terms' values before `simengine calibrate` fitted them (calibration.prior_<term> in the YAML)
+    calibration_priors: dict[str, float] = field(default_factory=dict)
     path: str = ""
 
     def peak(self, dtype: str) -> float:
@@ -173,7 +175,9 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6, link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
         custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
-        kernel_tables=y.kernel_tables, path=src)
+        kernel_tables=y.kernel_tables, path=src,
+        calibration_priors={k[len("prior_"):]: float(v) for k, v in y.calibration.items()
+                            if k.startswith("prior_") and isinstance(v, int | float)})
 
 
 @functools.cache

@@ -2,9 +2,11 @@
 
 The package (`pip install -e '.[kernels]'`; `make` installs it where a wheel exists) ships GEMM, context and
 generation attention, MoE and all-reduce timings measured per device (`systems/data/<system>/`) and per serving
-backend (trtllm, vllm, sglang) and version. Each row is a CUDA-graph replay of one op call on one layer, in
-milliseconds; GEMM shapes and attention heads are per tensor-parallel rank; all-reduce messages count elements.
-We read the tables (never copy them) and price the step's ops (cost/work.py) from them:
+backend (trtllm, vllm, sglang) and version. Tables `simengine profile` measured on a local device
+(kernels/<system>/, backend `torch`, CSV in the same columns) are read the same way and come first. Each row is a
+CUDA-graph replay of one op call on one layer, in milliseconds; GEMM shapes and attention heads are per tensor-
+parallel rank; all-reduce messages count elements. We read the tables (never copy them) and price the step's ops
+(cost/work.py) from them:
 
 - GEMM (m tokens, n, k): linear in m between measured m. An (n, k) that was not measured takes the utilisation
   (roofline time / measured time) of the nearest measured shapes, inverse-distance weighted in log2(n, k) within
@@ -19,8 +21,7 @@ We read the tables (never copy them) and price the step's ops (cost/work.py) fro
 
 An op the tables do not cover (a device, dtype, head layout, MoE shape or TP degree without rows) is priced by the
 roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
-measurements (`measured_s` in steps.csv).
-"""
+measurements (`measured_s` in steps.csv)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,14 @@ MOE_DISTRIBUTIONS = ("power_law_1.2", "balanced")   # the package's default rout
 PROVENANCE = ("framework", "version", "device", "power", "power_limit")
 
 
-# ---- the package's files ----------------------------------------------------------------------------------
+# ---- the tables' files ----------------------------------------------------------------------------------
+LOCAL_ROOT = Path(__file__).resolve().parents[2] / "kernels"   # `simengine profile` writes here
+# an engine whose backend has no tables on a device takes the nearest that has: another serving stack's kernels
+# first, a local torch profile last
+BACKEND_ORDER = {"trtllm": ("trtllm", "vllm", "sglang", "torch"), "vllm": ("vllm", "sglang", "trtllm", "torch"),
+                 "sglang": ("sglang", "vllm", "trtllm", "torch")}
+
+
 @functools.cache
 def data_root() -> Path | None:
     """systems/ of the installed aiconfigurator-core, or None when it is not installed (roofline only)."""
@@ -99,18 +107,41 @@ def current_versions() -> dict[tuple[str, str], str]:
     return out
 
 
-def table_file(system: str, family: str, backend: str, filename: str) -> Path | None:
-    """The table in the backend's current version, else in the newest older version that has it (the package's
-    backward fill); None when no version has it."""
+def system_dir(system: str) -> Path | None:
+    """A device's tables: a local profile (kernels/<system>) first, else the package's (systems/data/<system>)."""
     root = data_root()
-    base = root / "data" / system / family / backend if root else None
+    for base in (LOCAL_ROOT / system, root / "data" / system if root else None):
+        if base is not None and base.is_dir():
+            return base
+    return None
+
+
+def table_file(system: str, family: str, backend: str, filename: str) -> Path | None:
+    """The table (`name.parquet`, or `name.csv` from a local profile) in the backend's current version, else in
+    the newest older version that has it (the package's backward fill); None when no version has it."""
+    sysdir = system_dir(system)
+    base = sysdir / family / backend if sysdir else None
     if base is None or not base.is_dir():
         return None
-    versions = sorted((d.name for d in base.iterdir() if (d / filename).exists()), key=version_key)
+    stem = filename.rsplit(".", 1)[0]
+
+    def found(d: Path) -> Path | None:
+        return next((d / f"{stem}{ext}" for ext in (".parquet", ".csv") if (d / f"{stem}{ext}").exists()), None)
+
+    versions = sorted((d.name for d in base.iterdir() if found(d)), key=version_key)
     current = current_versions().get((system, backend)) or current_versions().get(("*", backend))
     if current:
         versions = [v for v in versions if version_key(v) <= version_key(current)] or versions
-    return base / versions[-1] / filename if versions else None
+    return found(base / versions[-1]) if versions else None
+
+
+def backend_for(system: str, wanted: str) -> str:
+    """The backend whose tables price an engine of `wanted` kernels on `system`: its own where measured, else the
+    nearest measured one (BACKEND_ORDER); `wanted` when none is."""
+    for backend in BACKEND_ORDER.get(wanted, (wanted,)):
+        if table_file(system, "gemm", backend, "gemm_perf.parquet") is not None:
+            return backend
+    return wanted
 
 
 @functools.cache
@@ -118,15 +149,16 @@ def read_table(path: Path):
     """One parquet table without its provenance columns (cached per process)."""
     import pandas as pd
 
-    df = pd.read_parquet(path)
+    df = pd.read_csv(path) if path.suffix == ".csv" else pd.read_parquet(path)
     return df.drop(columns=[c for c in PROVENANCE if c in df.columns])
 
 
 @functools.cache
 def systems() -> tuple[str, ...]:
-    """The devices the installed package has measurements of."""
+    """The devices with measured tables: local profiles and the installed package's."""
     root = data_root()
-    return tuple(sorted(p.name for p in (root / "data").iterdir() if any(p.iterdir()))) if root else ()
+    dirs = [*(LOCAL_ROOT.iterdir() if LOCAL_ROOT.is_dir() else ()), *((root / "data").iterdir() if root else ())]
+    return tuple(sorted({p.name for p in dirs if p.is_dir() and any(p.iterdir())}))
 
 
 # ---- interpolation ----------------------------------------------------------------------------------------
@@ -270,15 +302,15 @@ class MeasuredKernels(RooflineKernels):
 
     def __init__(self, work: StepWork, terms: DeviceTerms, *, system: str, backend: str, custom_allreduce: bool):
         super().__init__(work, terms)
-        self.system, self.backend = system, backend
+        self.system, self.backend = system, backend_for(system, backend)
         self.fallbacks: dict[str, str] = {}
-        path = table_file(system, "gemm", backend, "gemm_perf.parquet")
+        path = table_file(system, "gemm", self.backend, "gemm_perf.parquet")
         self.gemm = GemmTable(read_table(path), work.hw) if path else None
         # FP8 checkpoints carry static activation scales: the tables' fp8 rows include computing a dynamic scale,
         # which comes off, and for GEMMs whose input the previous kernel already wrote in FP8 (O after attention,
         # down after the fused activation) the quantisation too - the package's own `fp8_static` rule
         self.quant = {name: QuantTable(read_table(p)) for name in ("computescale", "scale_matrix")
-                      if (p := table_file(system, "quantize", backend, f"{name}_perf.parquet")) is not None}
+                      if (p := table_file(system, "quantize", self.backend, f"{name}_perf.parquet")) is not None}
         self.gemm_ops = self._gemm_ops()
         self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
         heads = max(1, work.model.num_heads // work.tp)
@@ -391,9 +423,9 @@ class MeasuredKernels(RooflineKernels):
                 df = read_table(path)
                 graph = df[~df["kernel_source"].str.contains("eager", case=False)]
                 tables.append(graph if len(graph) else df)   # an eager-only backend (Arc B60) times eager kernels
-        root = data_root()
+        sysdir = system_dir(self.system)
         for lib in ("nccl", "oneccl"):   # the collective library, newest version first
-            for p in sorted((root / "data" / self.system / "comm" / lib).glob(f"*/{lib}_perf.parquet"),
+            for p in sorted((sysdir / "comm" / lib).glob(f"*/{lib}_perf.parquet") if sysdir else (),
                             key=lambda p: version_key(p.parent.name), reverse=True):
                 df = read_table(p)
                 dtype_col = "nccl_dtype" if "nccl_dtype" in df.columns else df.columns[0]

@@ -14,7 +14,7 @@ from simengine.config.model import load_model
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.request import Request, Status
 from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
-from simengine.cost.measured import MeasuredKernels, data_root, systems
+from simengine.cost.measured import MeasuredKernels, systems
 from simengine.cost.roofline import DeviceTerms, RooflineKernels
 from simengine.cost.step import CostModel
 from simengine.cost.work import StepWork
@@ -85,7 +85,7 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
     system, backend = d.hardware.kernel_tables, engine.kernel_backend
-    if kernels == "auto" and system and backend and data_root() is not None and system in systems():
+    if kernels == "auto" and system and backend and system in systems():
         gpu = MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
     else:
         gpu = RooflineKernels(work, terms)

@@ -91,6 +91,17 @@ def hardware_groups(preds: list[Prediction], min_rows: int = MIN_DEVICE_ROWS) ->
             for hw, c in n.items() if share.get(hw, 0.0) >= MIN_ROOFLINE_SHARE}
 
 
+def device_prior(device: str, term: str) -> float:
+    """A device term's published prior: the value before an earlier calibration (kept in its YAML), else the
+    YAML's value."""
+    hw = load_hardware(device)
+    if term in hw.calibration_priors:
+        return hw.calibration_priors[term]
+    if term.startswith("gemm_fraction."):
+        return hw.gemm_fraction(term.split(".", 1)[1])
+    return float(getattr(hw, term))
+
+
 def _device_params(data: FitData, hw_group: dict[str, str]) -> list[Param]:
     out = []
     for g in sorted(set(hw_group.values())):
@@ -99,12 +110,11 @@ def _device_params(data: FitData, hw_group: dict[str, str]) -> list[Param]:
                        for dt in sf.dtypes})
         for key in keys:
             lo, hi, s = DEVICE_BOUNDS["gemm_fraction"]
-            prior = float(np.mean([load_hardware(d).gemm_fraction(key) for d in devs]))
-            out.append(Param(g, f"gemm_fraction.{key}", lo, hi, s, prior))
-        for name, attr in (("memory_bandwidth_fraction", "memory_bandwidth_fraction"),
-                           ("kernel_floor_s", "kernel_floor_s")):
+            out.append(Param(g, f"gemm_fraction.{key}", lo, hi, s,
+                             float(np.mean([device_prior(d, f"gemm_fraction.{key}") for d in devs]))))
+        for name in ("memory_bandwidth_fraction", "kernel_floor_s"):
             lo, hi, s = DEVICE_BOUNDS[name]
-            out.append(Param(g, name, lo, hi, s, float(np.mean([getattr(load_hardware(d), attr) for d in devs]))))
+            out.append(Param(g, name, lo, hi, s, float(np.mean([device_prior(d, name) for d in devs]))))
     return out
 
 
@@ -216,7 +226,7 @@ def calibrate_files(paths: list[str], *, write: bool = False, jobs: int = 2, cro
     """Run every row of `paths`, fit, cross-validate by device, optionally judge the fit on the `test` files' rows
     (every metric, re-simulated with the fitted terms) and write; return the printed report."""
     rows = [r for p in paths for r in read_measurements(p)]
-    results = run_rows(rows, jobs=jobs)
+    results = _run_with_terms(rows, PRIORS_ONLY, jobs)   # from the engines' priors, not an earlier fit
     preds = usable([r for r in results if isinstance(r, Prediction)])
     if not preds:
         return "no row can be used for calibration"
@@ -232,6 +242,7 @@ def calibrate_files(paths: list[str], *, write: bool = False, jobs: int = 2, cro
     return text
 
 
+PRIORS_ONLY: dict = {"engines": {}, "devices": {}}   # trial terms that switch the shipped engine fit off
 FRONTEND_METRICS = ("ttft",)   # a per-request frontend delay shifts TTFT statistics by exactly its size (E2E too,
 # but an E2E error is mostly the decode's, which the frontend must not absorb)
 MAX_FRONTEND_S = 0.5
@@ -243,9 +254,8 @@ def fit_frontend(res: FitResult, rows: list, jobs: int = 2) -> None:
     minus simulated (the rows re-simulated with the fitted terms and no frontend), at least 0. Only rows of current
     engine versions count. Adds the terms to `res` (in place)."""
     from simengine.sim.runner import build_deployment, build_engine
-    from simengine.validate.experiments import Experiment, engine_name, plan_row
-
     from simengine.validate.bench_tools import version_params
+    from simengine.validate.experiments import Experiment, engine_name, plan_row
 
     # rows of engine versions older than today's mechanisms (VERSION_KNOBS) ran other frontends and schedulers:
     # their TTFT gaps must not become a frontend latency every current run pays
@@ -338,10 +348,11 @@ def write_results(full: FitResult, loho: list[dict] | None, source: str) -> list
         prov["median_abs_error_pct"] = round(float(np.median(np.abs(errs[idx]))), 2)
         if dev in cv:
             prov["loho_median_abs_error_pct"] = round(cv[dev]["median_abs_error_pct"], 2)
-        values = {p.name: full.values[p.key] for p in full.params if p.group == group}
         hw = load_hardware(dev)
-        values = {k: v for k, v in values.items() if not k.startswith("gemm_fraction.")
-                  or k.split(".", 1)[1] in hw.gemm_fractions}
+        fitted = [p for p in full.params if p.group == group
+                  and (not p.name.startswith("gemm_fraction.") or p.name.split(".", 1)[1] in hw.gemm_fractions)]
+        values = {p.name: full.values[p.key] for p in fitted}
+        prov.update({f"prior_{p.name}": device_prior(dev, p.name) for p in fitted})
         written.append(write_hardware_calibration(files[dev], values, prov))
     engines = {}
     for eng, terms in engine_terms_of(full).items():

@@ -107,7 +107,9 @@ def write_hardware_calibration(path: Path, values: dict[str, float], provenance:
     text += "calibration:                   # written by `simengine calibrate` (docs/validation.md)\n"
     for k, v in provenance.items():
         entry = f"  {k}: {_scalar(v)}"
-        text += f"{entry:30s} # {PROVENANCE_NOTES.get(k, 'provenance')}\n"
+        note = PROVENANCE_NOTES.get(k, "the term's published prior, before calibration" if k.startswith("prior_")
+                                    else "provenance")
+        text += f"{entry:30s} # {note}\n"
     path.write_text(text, encoding="utf-8")
     try:
         load_hardware_file(path)

@@ -1,9 +1,18 @@
-"""`simengine profile MODEL`: time a model-shaped layer's operators on the local device (optional torch).
+"""`simengine profile MODEL`: time a model's GEMMs and attention on the local device, as measured-kernel tables.
 
-Measures, for one tensor-parallel rank of the model: all GEMMs of one layer (QKV, O, gate/up, down) for a range
-of token counts, causal prefill attention for a range of chunk sizes, decode attention for batch x context
-grids, and the LM head; writes the CSV that simengine/cost/table.py reads (op,x,seconds + `# key=value`
-metadata). Dense models only (routed experts run as grouped GEMMs, which this does not imitate).
+Measures, for one tensor-parallel rank of the model, every GEMM of a layer (QKV, O, gate/up, down) and the LM head
+over a range of token counts, decode attention over batch x KV length and causal prefill attention over
+sequences x length (torch matmul and scaled_dot_product_attention; GQA by repeating the KV heads), and writes them
+in the layout and columns of aiconfigurator-core's tables under kernels/<system>/ with backend `torch`:
+
+    kernels/<system>/gemm/torch/<torch version>/gemm_perf.csv
+    kernels/<system>/attention/torch/<torch version>/{generation,context}_attention_perf.csv
+    kernels/<system>/collection_meta.yaml       (device, date, torch version, repeats)
+
+A device YAML that names the folder (`kernel_tables: <system>`) then has its steps priced from these measurements
+for every engine (cost/measured.py: an engine whose own backend has no tables there takes the nearest one; the
+roofline prices what the profile does not cover). Latencies are milliseconds per op call, as in the package.
+Dense layers only (routed experts run as grouped GEMMs, which torch matmul does not imitate).
 """
 
 from __future__ import annotations
@@ -18,11 +27,17 @@ from simengine.config.hardware import REPO_ROOT
 from simengine.config.model import ModelSpec, load_model
 from simengine.errors import InputError
 
+KERNELS_DIR = REPO_ROOT / "kernels"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-PREFILL = (128, 256, 512, 1024, 2048, 4096, 8192)
-DECODE = tuple((b, c) for b in (1, 8, 32, 128) for c in (512, 2048, 8192))
-QUICK = {"tokens": (1, 8, 64), "prefill": (16, 64), "decode": ((1, 32), (4, 64)), "repeats": 2}
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_KV = (64, 256, 1024, 4096, 16384, 32768)
+PREFILL_BATCH = (1, 2, 4, 8)
+PREFILL_ISL = (128, 512, 1024, 2048, 4096, 8192)
+QUICK = {"tokens": (1, 8, 64), "decode": ((1, 2), (32, 64)), "prefill": ((1, 2), (16, 64)), "repeats": 2}
+DTYPES = {"bf16": ("bfloat16", "bfloat16"), "fp16": ("float16", "bfloat16")}   # torch dtype, table dtype name
+GEMM_COLUMNS = ("gemm_dtype", "m", "n", "k", "latency")
+ATTN_COLUMNS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "window_size", "attn_dtype",
+                "kv_cache_dtype", "step", "latency")
 
 
 def _torch():
@@ -35,8 +50,9 @@ def _torch():
 
 def _timer(torch, device: str, repeats: int):
     def run(fn) -> float:
+        """Median seconds of `fn` after two warm-up calls (kernel selection, allocator)."""
         fn()
-        fn()   # warm-up: kernel selection, allocator
+        fn()
         times = []
         for _ in range(repeats):
             if device.startswith("cuda"):
@@ -55,60 +71,68 @@ def _timer(torch, device: str, repeats: int):
     return run
 
 
-def _shards(m: ModelSpec, tp: int) -> dict[str, int]:
+def gemm_shapes(m: ModelSpec, tp: int) -> dict[str, tuple[int, int]]:
+    """(n, k) per tensor-parallel rank of the layer's GEMMs and the LM head (cost/measured.py's op shapes)."""
     if m.is_moe:
         raise InputError(f"{m.name} is a mixture of experts; profile measures dense layers only", field="model")
-    q = max(1, m.num_heads // tp)
-    kv = max(1, m.num_kv_heads // tp)
-    return {"h": m.hidden_size, "q": q, "kv": kv, "d": m.qk_head_dim, "dv": m.v_head_dim,
-            "f": max(1, m.intermediate_size // tp), "v": max(1, m.vocab_size // tp)}
+    heads, kv = max(1, m.num_heads // tp), max(1, -(-m.num_kv_heads // tp))
+    f = m.intermediate_size // tp
+    return {"qkv": ((heads + 2 * kv) * m.head_dim, m.hidden_size), "attn_out": (m.hidden_size, heads * m.v_head_dim),
+            "mlp_up": ((2 if m.gated_mlp else 1) * f, m.hidden_size), "mlp_down": (m.hidden_size, f),
+            "lm_head": (m.vocab_size // tp, m.hidden_size)}
 
 
-def measure(m: ModelSpec, *, device: str, dtype: str, tp: int, quick: bool) -> list[tuple[str, float, float]]:
-    """(op, x, seconds) rows for one rank of `m` on `device`."""
+def measure(m: ModelSpec, *, device: str, dtype: str, tp: int, quick: bool) -> tuple[list[tuple], list[tuple],
+                                                                                       list[tuple]]:
+    """(gemm rows, decode attention rows, prefill attention rows) for one rank of `m` on `device`."""
     torch = _torch()
     F = torch.nn.functional
-    dt = getattr(torch, DTYPES[dtype])
-    s = _shards(m, tp)
+    dt = getattr(torch, DTYPES[dtype][0])
+    name = DTYPES[dtype][1]
     run = _timer(torch, device, QUICK["repeats"] if quick else 10)
     new = {"device": device, "dtype": dt}
-    mlp_in = (2 if m.gated_mlp else 1) * s["f"]
-    w = {"qkv": torch.randn(s["h"], (s["q"] + 2 * s["kv"]) * s["d"], **new),
-         "o": torch.randn(s["q"] * s["dv"], s["h"], **new), "up": torch.randn(s["h"], mlp_in, **new),
-         "down": torch.randn(s["f"], s["h"], **new), "head": torch.randn(s["h"], s["v"], **new)}
-    rows = []
-    for n in QUICK["tokens"] if quick else TOKENS:
-        x = torch.randn(n, s["h"], **new)
-        a = torch.randn(n, s["q"] * s["dv"], **new)
-        g = torch.randn(n, s["f"], **new)
-        rows.append(("linear", float(n), run(lambda x=x, a=a, g=g: (x @ w["qkv"], a @ w["o"], x @ w["up"],
-                                                                      g @ w["down"]))))
-        rows.append(("lm_head", float(n), run(lambda x=x: x @ w["head"])))
-    rep = s["q"] // s["kv"]
-    for c in QUICK["prefill"] if quick else PREFILL:
-        q = torch.randn(1, s["q"], c, s["d"], **new)
-        k = torch.randn(1, s["kv"], c, s["d"], **new).repeat_interleave(rep, dim=1)
-        v = torch.randn(1, s["kv"], c, s["dv"], **new).repeat_interleave(rep, dim=1)
-        t = run(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        rows.append(("attn_prefill", c * c / 2.0, t))
-    for b, ctx in QUICK["decode"] if quick else DECODE:
-        q = torch.randn(b, s["q"], 1, s["d"], **new)
-        k = torch.randn(b, s["kv"], ctx, s["d"], **new).repeat_interleave(rep, dim=1)
-        v = torch.randn(b, s["kv"], ctx, s["dv"], **new).repeat_interleave(rep, dim=1)
-        rows.append(("attn_decode", float(b * ctx), run(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))))
-    return rows
+    gemm = []
+    for n, k in sorted(set(gemm_shapes(m, tp).values())):
+        w = torch.randn(k, n, **new)
+        for tokens in QUICK["tokens"] if quick else TOKENS:
+            x = torch.randn(tokens, k, **new)
+            gemm.append((name, tokens, n, k, 1e3 * run(lambda x=x, w=w: x @ w)))
+    heads, kv = max(1, m.num_heads // tp), max(1, -(-m.num_kv_heads // tp))
+    d, rep = m.head_dim, max(1, heads // kv)
+
+    def attention(b: int, q_len: int, kv_len: int, causal: bool) -> float:
+        q = torch.randn(b, heads, q_len, d, **new)
+        key = torch.randn(b, kv, kv_len, d, **new).repeat_interleave(rep, dim=1)
+        val = torch.randn(b, kv, kv_len, d, **new).repeat_interleave(rep, dim=1)
+        return 1e3 * run(lambda: F.scaled_dot_product_attention(q, key, val, is_causal=causal))
+
+    decode = [(b, 1, heads, kv, d, 0, name, name, s - 1, attention(b, 1, s, False))
+              for b, s in (QUICK["decode"] if quick else [(b, s) for b in DECODE_BATCH for s in DECODE_KV])]
+    prefill = [(b, s, heads, kv, d, 0, name, name, 0, attention(b, s, s, True))
+               for b, s in (QUICK["prefill"] if quick else [(b, s) for b in PREFILL_BATCH for s in PREFILL_ISL])]
+    return gemm, decode, prefill
 
 
-def write_profile(path: Path, rows: list[tuple[str, float, float]], meta: dict[str, str]) -> Path:
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[tuple]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {k}={v}" for k, v in meta.items()] + ["op,x,seconds"]
-    lines += [f"{op},{x:g},{sec:.9f}" for op, x, sec in rows]
+    lines = [",".join(columns)] + [",".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in r) for r in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
+def write_tables(root: Path, system: str, version: str, gemm: list[tuple], decode: list[tuple],
+                 prefill: list[tuple], meta: dict[str, str]) -> list[Path]:
+    """The measurements as measured-kernel tables under root/system (see the module docstring)."""
+    base = root / system
+    out = [_write_csv(base / "gemm" / "torch" / version / "gemm_perf.csv", GEMM_COLUMNS, gemm),
+           _write_csv(base / "attention" / "torch" / version / "generation_attention_perf.csv", ATTN_COLUMNS, decode),
+           _write_csv(base / "attention" / "torch" / version / "context_attention_perf.csv", ATTN_COLUMNS, prefill)]
+    (base / "collection_meta.yaml").write_text("".join(f"{k}: \"{v}\"\n" for k, v in meta.items()), encoding="utf-8")
+    return out
+
+
 def profile_command(model: str, *, out: str | None, device: str | None, dtype: str, tp: int, quick: bool) -> str:
-    """Measure and write the CSV; return a one-line summary."""
+    """Measure and write the tables; return a one-line summary."""
     if dtype not in DTYPES:
         raise InputError(f"'{dtype}' is not one of {', '.join(DTYPES)}", field="--dtype")
     if tp < 1:
@@ -118,10 +142,11 @@ def profile_command(model: str, *, out: str | None, device: str | None, dtype: s
     spec = load_model(model, field="MODEL")
     name = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else f"cpu {platform.processor() or ''}"
     today = _dt.date.today().isoformat()
-    rows = measure(spec, device=dev, dtype=dtype, tp=tp, quick=quick)
-    slug = "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
-    path = Path(out) if out else REPO_ROOT / "data" / "profiles" / f"{slug}_{spec.name}_{dtype}_tp{tp}_{today}.csv"
+    gemm, decode, prefill = measure(spec, device=dev, dtype=dtype, tp=tp, quick=quick)
+    system = "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
     meta = {"device": name, "model": spec.name, "dtype": dtype, "tp": str(tp), "date": today,
             "torch": torch.__version__, "repeats": str(QUICK["repeats"] if quick else 10)}
-    write_profile(path, rows, meta)
-    return f"wrote {len(rows)} timings for {spec.name} ({dtype}, tp={tp}) on {name} to {path}"
+    paths = write_tables(Path(out) if out else KERNELS_DIR, system, torch.__version__.split("+")[0], gemm, decode,
+                         prefill, meta)
+    return (f"wrote {len(gemm)} GEMM and {len(decode) + len(prefill)} attention timings of {spec.name} ({dtype}, "
+            f"tp={tp}) on {name} under {paths[0].parents[3]}; name it in a device YAML as kernel_tables: {system}")

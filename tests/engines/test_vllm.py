@@ -220,3 +220,21 @@ def test_blocks_leave_the_pool_in_running_order_even_for_cohort_members(lazy, mo
     eng.sync()
     w = make_request(12, 1, tokens=np.concatenate([prompt, np.arange(4, dtype=np.int32)]), unique_outputs=True)
     assert eng.kv.get_computed_blocks(w).num_tokens == 8
+
+
+def test_multi_step_runs_admit_nobody_until_they_end():
+    """vLLM V0 --num-scheduler-steps 4: once a decode-only step starts a run, a waiting request waits for its end."""
+    eng = VllmEngine(VllmParams(num_scheduler_steps=4), make_dep())
+    first = make_request(64, output_len=50)
+    eng.add_request(first, 0.0)
+    run_step(eng)                                   # its prefill
+    late = make_request(64, output_len=5)
+    for i in range(4):                              # a run of four decode steps: the late request waits
+        out, _ = run_step(eng, 0.01 * (i + 1))
+        if i == 0:
+            eng.add_request(late, 0.01)
+        assert [r.request_id for r, _ in out.scheduled] == [first.request_id]
+    out, _ = run_step(eng, 0.05)                    # the run is over: admitted
+    assert late.request_id in {r.request_id for r, _ in out.scheduled}
+    plain = VllmEngine(VllmParams(), make_dep())
+    assert plain.timing.scheduler_cpu_s == pytest.approx(4 * eng.timing.scheduler_cpu_s)   # one schedule per run

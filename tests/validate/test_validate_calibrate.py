@@ -103,10 +103,12 @@ def test_calibration_writes_only_named_terms_with_provenance(tmp_path):
     before, text_before = load_hardware_file(path), path.read_text()
     values = {"gemm_fraction.default": 0.6123, "memory_bandwidth_fraction": 0.8812, "kernel_floor_s": 3.5e-6}
     write_hardware_calibration(path, values, {"source": "m.csv", "date": "2026-01-01", "rows": 24,
-                                              "scope": "device", "median_abs_error_pct": 3.1})
+                                              "scope": "device", "median_abs_error_pct": 3.1,
+                                              "prior_gemm_fraction.default": 0.54})
     after = load_hardware_file(path)
+    assert after.calibration_priors == {"gemm_fraction.default": 0.54}   # a refit starts from the prior again
     changed = {f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)}
-    assert changed == {"gemm_fractions", "memory_bandwidth_fraction", "kernel_floor_s"}
+    assert changed == {"gemm_fractions", "memory_bandwidth_fraction", "kernel_floor_s", "calibration_priors"}
     assert after.gemm_fraction("bf16") == 0.6123 and after.memory_bandwidth_fraction == 0.8812
     assert after.kernel_floor_s == pytest.approx(3.5e-6)
     assert after.gemm_fractions.keys() == before.gemm_fractions.keys()

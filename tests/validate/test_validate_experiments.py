@@ -50,7 +50,7 @@ def test_online_arrivals(arrival, process):
     (dict(engine="mlc-llm-x"), None),  # rejected by the reader's engine list; here: a registry miss
     (dict(tp=0), "tp/pp not stated"),
     (dict(num_gpus=6), "not a multiple of tp*pp"),
-    (dict(input_len=None, notes="dataset=openorca (MLPerf)"), "input_len not stated (openorca: simengine bundles no length"),
+    (dict(input_len=None, notes="dataset=openorca (MLPerf)"), "input_len not stated (openorca: simengine bundles"),
     (dict(metric="decode_step_ms", arrival=Arrival(kind="offline")), "needs arrival single or batch"),
     (dict(hardware="tpu_v5"), "unknown hardware 'tpu_v5'"),
 ])
@@ -107,3 +107,22 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     assert "--enable-torch-compile" in note and "--backend" not in note
     params, _ = engine_params(row(engine="vllm", notes="vLLM (--max_model_len 4096); max_num_seqs=512"), "vllm")
     assert params == {"max_model_len": 4096, "max_num_seqs": 512}
+
+
+@pytest.mark.parametrize("engine, notes, expect", [
+    ("vllm", "vLLM v0.6.0 --num-scheduler-steps 10", {"async_scheduling": False, "num_scheduler_steps": 10}),
+    ("vllm", "vLLM v0.33.0", {}),
+    ("sglang", "SGLang v0.3.0 (--disable-radix-cache)",
+     {"disable_overlap_schedule": True, "disable_radix_cache": True}),
+    ("tgi", "TGI 2.1 (ghcr.io/huggingface/text-generation-inference:2.1)",
+     {"prefill_chunking": False, "prefix_caching": False}),
+    ("trtllm", "TensorRT-LLM r24.07 (Triton trtllm backend v0.11)", {"disable_overlap_scheduler": True}),
+    ("lmdeploy", "lmdeploy v0.6.0a0", {"async_": 0}),
+])
+def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect):
+    from simengine.validate.bench_tools import engine_params
+
+    params, note = engine_params(row(engine=engine, notes=notes), engine)
+    assert params == expect
+    if expect and engine != "sglang":
+        assert "(" in note   # says which version rule applied and its source
