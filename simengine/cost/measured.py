@@ -179,17 +179,35 @@ def interp_hold(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, sol) -> np.ndarra
     return y
 
 
+@functools.cache
+def gemm_sites(path: Path) -> dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]]:
+    """A GEMM table as per gemm dtype, (n, k) sites with their m-curves (m ascending, the first row of a repeated
+    (m, n, k) kept, latency in seconds and made monotone); cached per process."""
+    df = read_table(path)
+    dtypes = df["gemm_dtype"].to_numpy(str)
+    n_all, k_all, m_all = (df[c].to_numpy(np.int64) for c in ("n", "k", "m"))
+    lat_all = df["latency"].to_numpy(float) * MS
+    out = {}
+    for dtype in dict.fromkeys(dtypes.tolist()):
+        rows = np.flatnonzero(dtypes == dtype)
+        n, k, m, lat = n_all[rows], k_all[rows], m_all[rows], lat_all[rows]
+        order = np.lexsort((m, k, n))                 # stable: a repeat keeps its first row first
+        n, k, m, lat = n[order], k[order], m[order], lat[order]
+        new_site = np.r_[True, (n[1:] != n[:-1]) | (k[1:] != k[:-1])]
+        keep = new_site | np.r_[True, m[1:] != m[:-1]]
+        n, k, m, lat, new_site = n[keep], k[keep], m[keep], lat[keep], new_site[keep]
+        starts = np.flatnonzero(new_site).tolist() + [len(n)]
+        out[str(dtype)] = {(int(n[a]), int(k[a])): (m[a:b].astype(float), monotone(lat[a:b]))
+                           for a, b in zip(starts[:-1], starts[1:])}
+    return out
+
+
 class GemmTable:
     """Measured GEMM times of one backend on one device: per gemm dtype, (n, k) sites with their m-curves."""
 
-    def __init__(self, df, hw: Hardware):
+    def __init__(self, path: Path, hw: Hardware):
         self.hw = hw
-        self.sites: dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
-        for dtype, g in df.groupby("gemm_dtype", sort=False):
-            g = g.drop_duplicates(["m", "n", "k"]).sort_values(["n", "k", "m"])
-            self.sites[str(dtype)] = {(int(n), int(k)): (s["m"].to_numpy(float),
-                                                         monotone(s["latency"].to_numpy(float) * MS))
-                                      for (n, k), s in g.groupby(["n", "k"], sort=False)}
+        self.sites = gemm_sites(path)
 
     def sol(self, dtype: str, m, n: int, k: int):
         """Roofline seconds of an (m x k) by (k x n) GEMM at the datasheet rates: the utilisation's yardstick."""
@@ -305,7 +323,7 @@ class MeasuredKernels(RooflineKernels):
         self.system, self.backend = system, backend_for(system, backend)
         self.fallbacks: dict[str, str] = {}
         path = table_file(system, "gemm", self.backend, "gemm_perf.parquet")
-        self.gemm = GemmTable(read_table(path), work.hw) if path else None
+        self.gemm = GemmTable(path, work.hw) if path else None
         # FP8 checkpoints carry static activation scales: the tables' fp8 rows include computing a dynamic scale,
         # which comes off, and for GEMMs whose input the previous kernel already wrote in FP8 (O after attention,
         # down after the fused activation) the quantisation too - the package's own `fp8_static` rule
