@@ -5,9 +5,9 @@ What is modelled: iteration-level (Orca-style) continuous batching as vLLM V0 ra
 while the token budget, the sequence cap and the KV blocks allow; a prompt longer than the budget runs alone)
 or, when no prompt can start, a decode step of every running request. Paged KV without a prefix cache; a decode
 that finds no free block preempts the most recently admitted request by recompute. The loop is synchronous
-(host work is never hidden) and eager (no CUDA graphs). Its overhead terms (host CPU per step and per sequence,
-per-layer latency, all-reduce latency and bandwidth) are the named terms `simengine calibrate` fits for engine
-`generic` from rows whose engine is `unknown` (docs/validation.md); see simengine/engines/calibration.yaml.
+(host work is never hidden) and eager (no CUDA graphs). Its mechanism terms (host CPU per step and per sequence,
+the dispatch cost of an eager kernel) are the terms `simengine calibrate` fits for engine `generic` from rows whose
+engine is `unknown` (docs/validation.md); see simengine/engines/calibration.yaml.
 """
 
 from __future__ import annotations
