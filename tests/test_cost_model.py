@@ -157,6 +157,28 @@ def test_measured_gemms_and_attention_are_the_tables_values_at_measured_points()
 
 
 @needs_tables
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "llama-4-scout-17b-16e", "qwen3-30b-a3b"])
+def test_measured_moe_gemms_take_off_only_the_kernel_floors_the_roofline_counted(model):
+    """Every op the tables time replaces its own roofline kernels: what is left are the four elementwise kernels a
+    layer (router and shared-expert GEMMs included in the count)."""
+    (_, m) = kernel_models("h100_sxm", model, 2)
+    k, layers = m.kernels, m.kernels.work.model.num_layers
+    assert not any(name in k.fallbacks for name in ("gemm", "moe"))
+    floors = k.token_features(np.array([1.0, 64.0, 4096.0]))["floors"]
+    assert np.all(floors == 4 * layers)
+
+
+def test_attention_grid_of_roots_grows_time_in_proportion_beyond_the_largest_batch():
+    from simengine.cost.measured import AttentionGrid
+    b, s = np.array([1.0, 2.0, 4.0]), np.array([128.0, 256.0])
+    seconds = np.outer(b, s) * 1e-6                        # time linear in the batch and the length
+    grid = AttentionGrid(b, s, np.sqrt(seconds), lambda bb, ss: np.sqrt(bb * ss * 1e-7), root=2)
+    assert np.asarray(grid.row(16)) ** 2 == pytest.approx(4 * seconds[-1], rel=1e-12)
+    plain = AttentionGrid(b, s, seconds.copy(), lambda bb, ss: bb * ss * 1e-7)
+    assert np.asarray(plain.row(16)) == pytest.approx(4 * seconds[-1], rel=1e-12)
+
+
+@needs_tables
 def test_measured_kernels_fall_back_to_the_roofline_where_tables_miss_and_say_so():
     (_, m) = kernel_models("a100_80g_sxm", "llama-3.1-8b", 1, backend="trtllm", kv=1.0)
     assert "attn_decode" in m.kernels.fallbacks and "roofline for" in m.describe()

@@ -105,6 +105,7 @@ CONFIDENCE = ("A", "B", "C")
 # sold today (512 GB unified memory, 8 TB/s HBM3e, ~10 PFLOP/s dense FP4).
 _LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops": 100_000.0,
            "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
+           "interconnect.custom_allreduce_latency_us": 1e6,
            "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0}
 
 
@@ -156,7 +157,8 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     if not (math.isfinite(y.efficiency.kernel_floor_us) and 0 <= y.efficiency.kernel_floor_us <= 1000):
         raise InputError(f"must be in 0..1000 us, got {y.efficiency.kernel_floor_us}", source=src,
                          field="efficiency.kernel_floor_us")
-    _check_range(y.interconnect.custom_allreduce_latency_us, "interconnect.latency_us", src, allow_zero=True)
+    _check_range(y.interconnect.custom_allreduce_latency_us, "interconnect.custom_allreduce_latency_us", src,
+                 allow_zero=True)
     if not 1 <= y.node_size <= 1024:
         raise InputError(f"must be an integer in 1..1024, got {y.node_size}", source=src, field="node_size")
     if y.node_size > 1 and y.interconnect.bandwidth_gb_s_per_direction == 0:

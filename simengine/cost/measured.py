@@ -241,10 +241,12 @@ class GemmTable:
 
 class AttentionGrid:
     """One attention table slice (head layout, dtypes) as a full grid over (batch, length). `values` are seconds
-    (decode) or sqrt(seconds) (prefill); cells beyond the measured staircase hold the utilisation against `sol`
-    (same transform) of the longest measured length of their batch; holes inside are linear between neighbours."""
+    (decode) or sqrt(seconds) (prefill: `root` 2); cells beyond the measured staircase hold the utilisation against
+    `sol` (same transform) of the longest measured length of their batch; holes inside are linear between
+    neighbours."""
 
-    def __init__(self, b: np.ndarray, s: np.ndarray, values: np.ndarray, sol):
+    def __init__(self, b: np.ndarray, s: np.ndarray, values: np.ndarray, sol, root: int = 1):
+        self.root = root
         grid = values.copy()
         keep = []
         for i in range(len(b)):
@@ -267,13 +269,13 @@ class AttentionGrid:
         self.bs, self.ss, self.grid = b[keep], s, grid
 
     def row(self, b: int) -> list[float]:
-        """The grid's curve over lengths for batch `b`: linear between measured batches, in proportion to the
-        batch beyond the largest."""
+        """The grid's curve over lengths for batch `b`: linear between measured batches; beyond the largest, the
+        time in proportion to the batch (its root-th root when the grid holds roots)."""
         bs, grid = self.bs, self.grid
         if b <= bs[0]:
             r = grid[0]
         elif b >= bs[-1]:
-            r = grid[-1] * (b / bs[-1])
+            r = grid[-1] * (b / bs[-1]) ** (1.0 / self.root)
         else:
             i = int(np.searchsorted(bs, b))
             f = (b - bs[i - 1]) / (bs[i] - bs[i - 1])
@@ -316,12 +318,9 @@ def _interp_row(xs: list[float], ys: list[float], x: float) -> float:
 class MeasuredKernels(RooflineKernels):
     """The op list priced from the measured tables of `system` for `backend`, the roofline where they miss."""
 
-    measured = True
-
     def __init__(self, work: StepWork, terms: DeviceTerms, *, system: str, backend: str, custom_allreduce: bool):
         super().__init__(work, terms)
         self.system, self.backend = system, backend_for(system, backend)
-        self.fallbacks: dict[str, str] = {}
         path = table_file(system, "gemm", self.backend, "gemm_perf.parquet")
         self.gemm = GemmTable(path, work.hw) if path else None
         # FP8 checkpoints carry static activation scales: the tables' fp8 rows include computing a dynamic scale,
@@ -409,7 +408,7 @@ class MeasuredKernels(RooflineKernels):
         def sqrt_sol(bb, ss):
             return math.sqrt(max(2.0 * bb * ss * ss * heads * d / peak,
                                  bb * ss * (4.0 * heads * d + 2.0 * kv_heads * d * kvb) / bw))
-        return AttentionGrid(b, s, np.sqrt(lat), sqrt_sol)
+        return AttentionGrid(b, s, np.sqrt(lat), sqrt_sol, root=2)
 
     def _moe_curve(self) -> tuple[np.ndarray, np.ndarray] | None:
         w, m = self.work, self.work.model

@@ -83,8 +83,6 @@ def empty_features(like) -> dict:
 class RooflineKernels:
     """GPU seconds of the op list of `work` at the device terms `terms` (see the module docstring)."""
 
-    measured = False
-
     def __init__(self, work: StepWork, terms: DeviceTerms):
         self.work, self.terms = work, terms
         hw = work.hw

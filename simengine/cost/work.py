@@ -63,7 +63,9 @@ class StepWork:
         self.full_layers, self.sliding_layers, self.window = (m.num_full_attention_layers, m.num_sliding_layers,
                                                               m.sliding_window)
         # kernels of the token-count ops (each attention op and the LM head count their own)
-        self.token_kernels = m.num_layers * (GEMM_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER)
+        # (MoE layers add the router's GEMM and, with a shared expert, its two)
+        self.token_kernels = (m.num_layers * (GEMM_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER)
+                              + m.num_moe_layers * (1 + (2 if m.shared_expert_params_per_moe_layer else 0)))
         # communication
         self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
         self.num_allreduce = 2 * m.num_layers if tp > 1 else 0

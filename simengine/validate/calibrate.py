@@ -9,7 +9,7 @@ Fitted terms (nothing per row):
   roofline prices most of those rows' GPU time (MIN_ROOFLINE_SHARE): measured kernels leave nothing to learn about
   the device. The priors are published microbenchmarks (hardware/*.yaml), so the fit pays for moving away from
   them (PRIOR_SD_DEVICE in log space) and cannot teach a device what one engine's rows happen to need.
-The objective is the sum of squared log(predicted / measured), Huber-weighted beyond 10 % (the spread of second-hand
+The objective is the sum of squared log(predicted / measured), Huber-weighted beyond 20 % (the spread of second-hand
 and repeated values), over rows whose prediction is a function of step times (step metrics, offline throughputs);
 rows flagged SUSPECT are left out and rows that repeat one configuration share one unit of weight.
 """
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from simengine.config.hardware import hardware_files, load_hardware
-from simengine.cost.calibrated import read_engine_terms
 from simengine.validate.calibration_io import write_engine_terms, write_hardware_calibration
 from simengine.validate.fit import FitData, Param, dtype_key, least_squares
 from simengine.validate.measurements import read_measurements
@@ -118,14 +117,12 @@ def _device_params(data: FitData, hw_group: dict[str, str]) -> list[Param]:
     return out
 
 
-def _engine_params(preds: list[Prediction], engines: set[str] | None = None) -> list[Param]:
+def _engine_params(preds: list[Prediction]) -> list[Param]:
     out = []
     by_engine: dict[str, list] = defaultdict(list)
     for p in preds:
         by_engine[p.engine].extend(p.features)
     for eng in sorted(by_engine):
-        if engines is not None and eng not in engines:
-            continue
         feats = by_engine[eng]
         eager = any(not sf.graph.all() for sf in feats)
         for name, (lo, hi, s) in ENGINE_TERMS.items():
@@ -136,10 +133,10 @@ def _engine_params(preds: list[Prediction], engines: set[str] | None = None) -> 
     return out
 
 
-def fit(preds: list[Prediction], hw_group: dict[str, str], *, fit_engines: set[str] | None = None) -> FitResult:
-    """Fit the device groups' physical terms and the engines' mechanism terms (default: every engine with rows)."""
+def fit(preds: list[Prediction], hw_group: dict[str, str]) -> FitResult:
+    """Fit the device groups' physical terms and the mechanism terms of every engine with rows."""
     data = FitData(preds, hw_group)
-    params = _device_params(data, hw_group) + _engine_params(preds, fit_engines)
+    params = _device_params(data, hw_group) + _engine_params(preds)
     scale = np.array([p.scale for p in params])
     prior = np.array([p.prior for p in params])
     lo, hi = np.array([p.lo for p in params]) / scale, np.array([p.hi for p in params]) / scale
@@ -226,7 +223,7 @@ def calibrate_files(paths: list[str], *, write: bool = False, jobs: int = 2, cro
     """Run every row of `paths`, fit, cross-validate by device, optionally judge the fit on the `test` files' rows
     (every metric, re-simulated with the fitted terms) and write; return the printed report."""
     rows = [r for p in paths for r in read_measurements(p)]
-    results = _run_with_terms(rows, PRIORS_ONLY, jobs)   # from the engines' priors, not an earlier fit
+    results = _run_with_terms(rows, priors_only(), jobs)   # from the priors, not an earlier fit
     preds = usable([r for r in results if isinstance(r, Prediction)])
     if not preds:
         return "no row can be used for calibration"
@@ -242,7 +239,14 @@ def calibrate_files(paths: list[str], *, write: bool = False, jobs: int = 2, cro
     return text
 
 
-PRIORS_ONLY: dict = {"engines": {}, "devices": {}}   # trial terms that switch the shipped engine fit off
+def priors_only() -> dict:
+    """Trial terms that switch every earlier fit off: no engine terms (the engines' module priors) and each device's
+    published priors where a `--write` replaced them in its YAML (`calibration.prior_*`)."""
+    devices = {name: dict(hw.calibration_priors) for name in hardware_files()
+               if (hw := load_hardware(name)).calibration_priors}
+    return {"engines": {}, "devices": devices}
+
+
 FRONTEND_METRICS = ("ttft",)   # a per-request frontend delay shifts TTFT statistics by exactly its size (E2E too,
 # but an E2E error is mostly the decode's, which the frontend must not absorb)
 MAX_FRONTEND_S = 0.5
@@ -305,14 +309,19 @@ def _run_with_terms(rows: list, terms: dict, jobs: int) -> list:
         Path(fh.name).unlink(missing_ok=True)
 
 
+def device_params_of(res: FitResult, dev: str) -> list[Param]:
+    """The fitted terms device `dev` takes: its group's, less the GEMM fractions of dtypes it has no entry for
+    (a pool fits a `fp8` fraction for its members with FP8 rows; the others priced theirs at `default`)."""
+    hw = load_hardware(dev)
+    group = res.hw_group[dev]
+    return [p for p in res.params if p.group == group
+            and (not p.name.startswith("gemm_fraction.") or p.name.split(".", 1)[1] in hw.gemm_fractions)]
+
+
 def trial_terms(res: FitResult) -> dict:
     """The fitted terms as a trial-terms mapping (cost/calibrated.py TRIAL_TERMS_ENV)."""
-    devices: dict[str, dict[str, float]] = defaultdict(dict)
-    for dev, group in res.hw_group.items():
-        for p in res.params:
-            if p.group == group:
-                devices[dev][p.name] = res.values[p.key]
-    return {"engines": {e: {"terms": t} for e, t in engine_terms_of(res).items()}, "devices": dict(devices)}
+    devices = {dev: {p.name: res.values[p.key] for p in device_params_of(res, dev)} for dev in res.hw_group}
+    return {"engines": {e: {"terms": t} for e, t in engine_terms_of(res).items()}, "devices": devices}
 
 
 def judge_on(res: FitResult, path: str, jobs: int = 2) -> str:
@@ -348,9 +357,7 @@ def write_results(full: FitResult, loho: list[dict] | None, source: str) -> list
         prov["median_abs_error_pct"] = round(float(np.median(np.abs(errs[idx]))), 2)
         if dev in cv:
             prov["loho_median_abs_error_pct"] = round(cv[dev]["median_abs_error_pct"], 2)
-        hw = load_hardware(dev)
-        fitted = [p for p in full.params if p.group == group
-                  and (not p.name.startswith("gemm_fraction.") or p.name.split(".", 1)[1] in hw.gemm_fractions)]
+        fitted = device_params_of(full, dev)
         values = {p.name: full.values[p.key] for p in fitted}
         prov.update({f"prior_{p.name}": device_prior(dev, p.name) for p in fitted})
         written.append(write_hardware_calibration(files[dev], values, prov))
@@ -361,5 +368,4 @@ def write_results(full: FitResult, loho: list[dict] | None, source: str) -> list
         if idx:   # step-time rows; an engine fitted on TTFT rows alone has its frontend term only
             engines[eng]["median_abs_error_pct"] = round(float(np.median(np.abs(errs[idx]))), 2)
     written.append(write_engine_terms(engines))
-    _ = read_engine_terms
     return written

@@ -43,7 +43,6 @@ PROVENANCE_NOTES = {
     "date": "when `simengine calibrate --write` ran",
     "rows": "usable rows of this device in the fit",
     "scope": "device: own fractions; vendor pool: shared by the devices named",
-    "pool_rows": "rows of the whole pool that shares these fractions",
     "median_abs_error_pct": "in-sample median |error| on this device's rows, percent",
     "loho_median_abs_error_pct": "median |error| with this device left out of the fit, percent",
 }
@@ -90,8 +89,7 @@ def write_hardware_calibration(path: Path, values: dict[str, float], provenance:
     The result is re-read with the strict loader; on any error the original file is restored.
     """
     original = path.read_text(encoding="utf-8")
-    rows = provenance.get("pool_rows", provenance.get("rows"))
-    note = f"calibrated {provenance.get('date', '')} ({provenance.get('scope', '')}; {rows} rows)"
+    note = f"calibrated {provenance.get('date', '')} ({provenance.get('scope', '')}; {provenance.get('rows')} rows)"
     text = original
     scalar_gemm = re.search(r"^\s+gemm_fraction:\s*[0-9.]+", text, re.MULTILINE) is not None
     for name, value in values.items():

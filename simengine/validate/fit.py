@@ -74,7 +74,7 @@ class FitData:
                 for k, v in (("seqs", sf.seqs), ("structured", sf.structured), ("graph", sf.graph), ("w", w),
                              ("seg", np.full(n, seg)), ("launches", np.full(n, sf.launches)),
                              ("overlap", np.full(n, sf.overlap)), ("grammar", np.full(n, sf.grammar_mask_s)),
-                             ("hwg", np.full(n, self.hw_groups.index(hw_group.get(sf.device, "fixed"))
+                             ("hwg", np.full(n, self.hw_groups.index(hw_group[sf.device])
                                              if sf.device in hw_group else -1)),
                              ("eng", np.full(n, self.engines.index(p.engine)))):
                     cols[k].append(v)

@@ -135,3 +135,35 @@ def test_engine_terms_yaml_round_trip_and_strict_names(tmp_path):
     p.write_text("engines:\n  vllm:\n    terms:\n      speedup: 1.3\n")
     with pytest.raises(InputError, match="unknown term"):
         terms.read_engine_terms(p)
+
+
+def test_priors_only_puts_back_every_device_prior_an_earlier_write_replaced():
+    """Calibration and leave-one-device-out start from published priors, never from a fit an earlier --write left
+    in a YAML."""
+    from simengine.config.hardware import load_hardware
+
+    trial = calibrate.priors_only()
+    assert trial["engines"] == {}
+    for name in hardware_files():
+        assert trial["devices"].get(name, {}) == load_hardware(name).calibration_priors
+    for name, priors in trial["devices"].items():
+        hw = terms.apply_device_terms(load_hardware(name), priors)
+        for term, value in priors.items():
+            got = hw.gemm_fractions[term.split(".", 1)[1]] if term.startswith("gemm_fraction.") else getattr(hw, term)
+            assert got == value, (name, term)
+
+
+def test_trial_terms_give_a_pooled_device_only_the_gemm_fractions_it_has():
+    """A vendor pool fits an fp8 fraction for its FP8 members; a member without an fp8 entry priced its steps at
+    `default`, so the trial terms (judge_on, fit_frontend) must not hand it one."""
+    from simengine.config.hardware import load_hardware
+
+    group = "vendor:nvidia"
+    params = [calibrate.Param(group, "gemm_fraction.default", 0.1, 1.0, 0.5, 0.8),
+              calibrate.Param(group, "gemm_fraction.fp8", 0.1, 1.0, 0.5, 0.6)]
+    res = calibrate.FitResult(params, {p.key: 0.5 for p in params}, {"h100_sxm": group, "rtx_3090": group},
+                              np.zeros(0), [])
+    devices = calibrate.trial_terms(res)["devices"]
+    assert "fp8" in load_hardware("h100_sxm").gemm_fractions and "fp8" not in load_hardware("rtx_3090").gemm_fractions
+    assert set(devices["h100_sxm"]) == {"gemm_fraction.default", "gemm_fraction.fp8"}
+    assert set(devices["rtx_3090"]) == {"gemm_fraction.default"}
