@@ -538,10 +538,7 @@ class MeasuredKernels(RooflineKernels):
     def _prefill_s(self, chunks: list[tuple[int, int]]) -> float:
         """Measured seconds of the prefill chunks' attention over all layers."""
         grid, w = self.prefill_grid, self.work
-        pairs = full = 0.0
-        for c, k in chunks:
-            pairs += c * (k + c / 2.0)
-            full += k + c
+        pairs, full = w.prefill_pairs(chunks)
         b = len(chunks)
         s = full / b
         row = self._prefill_rows.get(b)
@@ -550,7 +547,7 @@ class MeasuredKernels(RooflineKernels):
         per_layer = _interp_row(self._prefill_xs, row, s) ** 2 * pairs / (b * s * s / 2.0)
         layers = w.full_layers
         if w.sliding_layers:   # a window caps the pairs each query sees
-            layers = layers + w.sliding_layers * sum(c * min(k + c / 2.0, w.window) for c, k in chunks) / pairs
+            layers = layers + w.sliding_layers * w.sliding_pairs(chunks) / pairs
         return per_layer * layers
 
     def _decode_s(self, num_decode: int, context_tokens):

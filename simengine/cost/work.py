@@ -97,19 +97,29 @@ class StepWork:
         return logits * self.lm_head_flops_per_token, self.lm_head_bytes * (logits > 0)
 
     # ---- attention ------------------------------------------------------------------------------------------
-    def prefill_attention(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
-        """(FLOPs, bytes) of causal attention over the prefill chunks (c new tokens after k cached each)."""
+    @staticmethod
+    def prefill_pairs(chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(query-key pairs, KV tokens read) of causal attention over the prefill chunks (c new tokens after k
+        cached each) in one full-attention layer."""
         pairs = read = 0.0
         for c, k in chunks:
             pairs += c * (k + c / 2.0)
             read += k + c
+        return pairs, read
+
+    def sliding_pairs(self, chunks: list[tuple[int, int]]) -> float:
+        """Query-key pairs of the chunks in one sliding-window layer (each query sees at most the window)."""
+        w = self.window
+        return sum(c * min(k + c / 2.0, w) for c, k in chunks)
+
+    def prefill_attention(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(FLOPs, bytes) of causal attention over the prefill chunks, all layers."""
+        pairs, read = self.prefill_pairs(chunks)
         flops = pairs * self.attn_flops_per_pair * self.full_layers
         nbytes = read * self.kv_bytes_layer * self.full_layers
         if self.sliding_layers:
-            w = self.window
-            sl_pairs = sum(c * min(k + c / 2.0, w) for c, k in chunks)
-            sl_read = sum(min(k + c, w) for c, k in chunks)
-            flops += sl_pairs * self.attn_flops_per_pair * self.sliding_layers
+            sl_read = sum(min(k + c, self.window) for c, k in chunks)
+            flops += self.sliding_pairs(chunks) * self.attn_flops_per_pair * self.sliding_layers
             nbytes += sl_read * self.kv_bytes_layer * self.sliding_layers
         return flops, nbytes
 
