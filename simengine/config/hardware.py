@@ -53,6 +53,8 @@ class HardwareYaml:
     price_source_date: str | None = None
     efficiency: EfficiencyYaml
     kernel_tables: str | None = None          # a measured-kernel system (aiconfigurator-core systems/data/<name>)
+    sm_count: int | None = None               # streaming multiprocessors (NVIDIA; kernels whose rate is per SM)
+    boost_clock_mhz: float | None = None      # the clock the datasheet's tensor peaks are quoted at
     confidence: str = "C"
     calibration: dict[str, str | float | int] = field(default_factory=dict)
 
@@ -79,6 +81,8 @@ class Hardware:
     link_bandwidth_fraction: float = 1.0
     custom_allreduce_latency_s: float | None = None
     kernel_tables: str | None = None
+    sm_count: int | None = None
+    boost_clock_hz: float | None = None
     # the physical terms' values before `simengine calibrate` fitted them (calibration.prior_<term> in the YAML)
     calibration_priors: dict[str, float] = field(default_factory=dict)
     path: str = ""
@@ -91,6 +95,14 @@ class Hardware:
         """Achieved / peak of large GEMMs computing in `dtype` (the `default` entry when the dtype has none)."""
         f = self.gemm_fractions
         return f[dtype] if dtype in f else f["default"]
+
+    @property
+    def sm_clocks_per_s(self) -> float | None:
+        """SMs times their clock: the scale of a kernel whose throughput is a fixed amount of work per SM per cycle
+        (None where the YAML gives neither)."""
+        if self.sm_count is None or self.boost_clock_hz is None:
+            return None
+        return self.sm_count * self.boost_clock_hz
 
     def allreduce_latency_s(self, custom: bool) -> float:
         """Latency of one small all-reduce: the engine's custom kernel where the link has one, else the library's."""
@@ -106,7 +118,7 @@ CONFIDENCE = ("A", "B", "C")
 _LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops": 100_000.0,
            "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
            "interconnect.custom_allreduce_latency_us": 1e6,
-           "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0}
+           "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0, "sm_count": 10_000.0, "boost_clock_mhz": 10_000.0}
 
 
 def _check_range(value: float | None, field: str, src: str, *, allow_zero: bool = False) -> None:
@@ -138,6 +150,11 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     _check_range(y.interconnect.latency_us, "interconnect.latency_us", src, allow_zero=True)
     _check_range(y.tdp_w, "tdp_w", src)
     _check_range(y.price_usd_per_hour, "price_usd_per_hour", src, allow_zero=True)
+    _check_range(y.sm_count, "sm_count", src)
+    _check_range(y.boost_clock_mhz, "boost_clock_mhz", src)
+    if (y.sm_count is None) != (y.boost_clock_mhz is None):
+        raise InputError("give sm_count and boost_clock_mhz together (or neither)", source=src,
+                         field="sm_count" if y.sm_count is None else "boost_clock_mhz")
     g = y.efficiency.gemm_fraction
     fractions = dict(g) if isinstance(g, dict) else {"default": g}
     if "default" not in fractions:
@@ -177,7 +194,8 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6, link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
         custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
-        kernel_tables=y.kernel_tables, path=src,
+        kernel_tables=y.kernel_tables, path=src, sm_count=y.sm_count,
+        boost_clock_hz=None if y.boost_clock_mhz is None else y.boost_clock_mhz * 1e6,
         calibration_priors={k[len("prior_"):]: float(v) for k, v in y.calibration.items()
                             if k.startswith("prior_") and isinstance(v, int | float)})
 

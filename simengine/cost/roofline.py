@@ -44,7 +44,9 @@ class DeviceTerms:
     @staticmethod
     def of(work: StepWork, hw: Hardware, *, custom_allreduce: bool) -> DeviceTerms:
         return DeviceTerms(
-            g_linear=hw.gemm_fraction(work.compute_dtype), g_lm_head=hw.gemm_fraction(work.lm_head_dtype),
+            # an engine's own GEMM kernels price at their achieved rate (StepWork.engine_gemm_flops_s), fraction 1
+            g_linear=1.0 if work.engine_gemm_flops_s else hw.gemm_fraction(work.compute_dtype),
+            g_lm_head=hw.gemm_fraction(work.lm_head_dtype),
             g_attn=hw.gemm_fraction(work.attn_dtype), memory_fraction=hw.memory_bandwidth_fraction,
             kernel_floor_s=hw.kernel_floor_s, allreduce_latency_s=hw.allreduce_latency_s(custom_allreduce),
             link_fraction=hw.link_bandwidth_fraction)
@@ -86,7 +88,7 @@ class RooflineKernels:
     def __init__(self, work: StepWork, terms: DeviceTerms):
         self.work, self.terms = work, terms
         hw = work.hw
-        self.linear_peak = hw.peak(work.compute_dtype)
+        self.linear_peak = work.engine_gemm_flops_s or hw.peak(work.compute_dtype)
         self.lm_head_peak = hw.peak(work.lm_head_dtype)
         self.attn_peak = hw.peak(work.attn_dtype)
         self.bandwidth = hw.memory_bandwidth_bytes_s

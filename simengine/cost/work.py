@@ -33,8 +33,12 @@ class StepWork:
     and attention head; pipeline stages run one after another, so a step's time covers all layers)."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
-                 tp: int = 1, pp: int = 1, expert_parallel: bool = False):
+                 tp: int = 1, pp: int = 1, expert_parallel: bool = False,
+                 engine_gemm_flops_s: float | None = None):
         m = self.model = model
+        # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
+        # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
+        self.engine_gemm_flops_s = engine_gemm_flops_s
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
         self.kv_elem_bytes = kv_elem_bytes
         self.compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)

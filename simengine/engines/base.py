@@ -60,6 +60,11 @@ class EnginePolicy(ABC):
         self.num_preemptions = 0
         self.timing: EngineTiming = self.make_timing()
 
+    def engine_gemm_flops_s(self) -> float | None:
+        """FLOP/s the engine's own kernels reach on its deployment's layer GEMMs where they are not the vendor
+        library's (cost/work.py StepWork.engine_gemm_flops_s); None: the device's GEMM at its gemm_fraction."""
+        return None
+
     # ---- contract ---------------------------------------------------------------------------------
     @abstractmethod
     def make_timing(self) -> EngineTiming:

@@ -32,6 +32,16 @@ EMPTY = np.zeros(0, dtype=np.int32)
 # ESTIMATE: driver context outside ggml's buffers (CUDA context 0.3-0.5 GiB; Metal/Vulkan/OpenCL similar).
 DRIVER_CONTEXT_BYTES = 0.4 * GIB
 GGUF_WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "mxfp4")  # ggml tensor types llama.cpp runs
+# ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
+# tensor-core tiles, dequantised per block in registers) for batches over 8; 16/32-bit weights go to cuBLAS.
+MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
+# MMQ's throughput is a fixed amount of work per SM per cycle, not a share of the tensor peak: RTX 4090 (Ada, 128 SMs
+# at 2.52 GHz) runs Llama-3-8B Q4_0 pp512 at 10358.75 tok/s with MMQ on tensor cores (ggml-org/llama.cpp PR #7676,
+# ubatch 512), i.e. 2 x 6.98e9 layer weights x 10358.75 / (128 x 2.52e9) = 448 FLOP per SM per cycle (the step's
+# attention, ~1%, included). That is 22% of Ada's and GA102's int8 tensor peak per SM but 11% of GA100's, whose
+# SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
+# predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
+MMQ_FLOPS_PER_SM_CYCLE = 448.0
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -158,6 +168,13 @@ class LlamaCppEngine(EnginePolicy):
             f"{gpu_visible_bytes(hw) / GIB:.1f} GiB usable leave room for {max(room, 0)} KV cells; --fit would move "
             f"layers to the CPU (not modelled): use a smaller weight_dtype (q4_0), a smaller ctx_size or more devices",
             field="deployment")
+
+    def engine_gemm_flops_s(self) -> float | None:
+        """ggml-cuda's MMQ rate for quantized weights on an NVIDIA device of known SMs and clock (else None)."""
+        hw = self.dep.hardware
+        if hw.vendor != "nvidia" or self.dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
+            return None
+        return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
 
     def make_timing(self) -> EngineTiming:
         hw = self.dep.hardware

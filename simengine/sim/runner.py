@@ -81,7 +81,7 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
     engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
     d = engine.dep
     work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
-                    pp=d.pp, expert_parallel=d.expert_parallel)
+                    pp=d.pp, expert_parallel=d.expert_parallel, engine_gemm_flops_s=engine.engine_gemm_flops_s())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
     system, backend = d.hardware.kernel_tables, engine.kernel_backend

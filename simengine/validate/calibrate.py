@@ -106,7 +106,7 @@ def _device_params(data: FitData, hw_group: dict[str, str]) -> list[Param]:
     for g in sorted(set(hw_group.values())):
         devs = [d for d, gg in hw_group.items() if gg == g]
         keys = sorted({dtype_key(sf.device, dt) for p in data.preds for sf in p.features if sf.device in devs
-                       for dt in sf.dtypes})
+                       for dt in sf.dtypes} - {""})
         for key in keys:
             lo, hi, s = DEVICE_BOUNDS["gemm_fraction"]
             out.append(Param(g, f"gemm_fraction.{key}", lo, hi, s,

@@ -30,7 +30,7 @@ class StepFeatures:
     structured: np.ndarray       # requests sampling under a grammar mask
     graph: np.ndarray            # bool: replayed from a CUDA graph
     device: str                  # hardware name
-    dtypes: tuple[str, str, str]  # compute dtypes of the linear op, the LM head and attention
+    dtypes: tuple[str, str, str]  # compute dtypes of the linear op ('' at the engine's own rate), LM head, attention
     terms: DeviceTerms           # the device terms the steps were priced with
     engine: dict[str, float] = field(default_factory=dict)  # ENGINE_FIELDS as the engine ran them
     launches: float = 0.0        # kernels an eager step enqueues (kernels_per_layer x layers)
@@ -60,7 +60,7 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
         f=f, seqs=np.array([s.num_decode + len(s.prefill_chunks) for s in shapes], dtype=float),
         structured=np.array([s.num_structured for s in shapes], dtype=float),
         graph=np.array([bool(s.cuda_graph) for s in shapes]), device=w.hw.name,
-        dtypes=(w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
+        dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
         launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
         grammar_mask_s=cost.grammar_mask_s, roofline_share=share)

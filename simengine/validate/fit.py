@@ -45,7 +45,10 @@ class Param:
 
 
 def dtype_key(device: str, dtype: str) -> str:
-    """The gemm_fraction entry a compute dtype uses on a device (its own entry, else `default`)."""
+    """The gemm_fraction entry a compute dtype uses on a device (its own entry, else `default`); '' for GEMMs at
+    an engine's own kernel rate, which no device fraction sets."""
+    if not dtype:
+        return ""
     return dtype if dtype in load_hardware(device).gemm_fractions else "default"
 
 

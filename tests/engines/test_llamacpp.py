@@ -6,10 +6,11 @@ import pytest
 from simengine.api import run_engine
 from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
+from simengine.core.batch import BatchShape
 from simengine.core.request import Status
-from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
+from simengine.engines.llamacpp import MMQ_FLOPS_PER_SM_CYCLE, LlamaCppEngine, LlamaCppParams
 from simengine.errors import InputError
-from simengine.sim.runner import build_engine
+from simengine.sim.runner import build_engine, cost_model
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import run_step
 
@@ -210,6 +211,21 @@ def test_cuda_graph_only_for_single_token_batches():
     assert out.shape.num_decode == 2 and not out.shape.cuda_graph
     metal = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_0"))
     assert metal.timing.cuda_graph_sizes == () and metal.timing.kernel_launch_s > 0
+
+
+def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
+    a100 = engine(make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="q4_0"))
+    assert a100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 108 * 1.41e9)
+    # 16-bit weights go to cuBLAS (the device's GEMM fraction); Metal and devices of unknown SMs keep it too
+    for hw, dtype in (("a100_80g_sxm", "fp16"), ("apple_m2_ultra", "q4_0"), ("h100_sxm", "q4_0")):
+        assert engine(make_dep(hw, model="llama-2-7b", weight_dtype=dtype)).engine_gemm_flops_s() is None
+    # pp512: A100 has 4.4x the RTX 3090's fp16 tensor peak but about the same SMs x clock (1.10x), and llama.cpp's
+    # published prefill speeds of the two are within 2% (docs/validation.md)
+    gemm_s = {}
+    for hw in ("a100_80g_sxm", "rtx_3090"):
+        eng = engine(make_dep(hw, model="llama-2-7b", weight_dtype="q4_0"))
+        gemm_s[hw] = cost_model(eng).step(BatchShape(prefill_chunks=[(512, 0)], num_logits=1)).compute_s
+    assert 1.0 < gemm_s["rtx_3090"] / gemm_s["a100_80g_sxm"] < 1.25
 
 
 def _scenario(**deployment) -> Scenario:
