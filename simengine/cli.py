@@ -61,9 +61,9 @@ def cmd_run(args) -> int:
         dep = build_deployment(scenario)
         for e in engines:  # validate every engine before running any (no half-written results)
             build_engine(e, dep)
+        results = compare(scenario, engines)   # a trace or prompt the run refuses: nothing is written either
     except InputError as exc:  # name the scenario file the bad value came from
         raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
-    results = compare(scenario, engines)
     written = write_results(scenario, results, Path(args.out), Path(args.plots), make_plots=not args.no_plots)
     d = scenario.deployment
     print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "

@@ -50,3 +50,13 @@ def test_unknown_engine_and_scenario(tmp_path):
     assert r.returncode == 2 and "did you mean 'vllm'" in r.stderr
     r = run_cli("run", "no_such_scenario")
     assert r.returncode == 2 and "agent_multiturn" in r.stderr
+
+
+def test_console_shows_no_library_warnings_even_when_a_figure_panel_is_empty(tmp_path):
+    # every output is one token: no TPOT, so the TPOT panels draw nothing (a legend there warned before)
+    r = subprocess.run([sys.executable, "-W", "error", "-m", "simengine", "run", "bursty_traffic", "--engines",
+                        "vllm,sglang", "--out", str(tmp_path / "r"), "--plots", str(tmp_path / "p"),
+                        "--set", "horizon_s=5", "--set", "workload.output_tokens={dist: constant, value: 1}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "", r.stderr

@@ -3,18 +3,96 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
 from simengine.errors import InputError, did_you_mean
 
 _MISSING = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts, declared on its type: `Annotated[int, Range(1, 1 << 20)]`. Values
+    outside are typos, not experiments; NaN and infinities are never accepted. `above`: the low end is exclusive;
+    `also`: single values outside the range that mean something (llama.cpp's -1 = unlimited); `unit`: what the
+    number counts, said in the error."""
+
+    lo: float
+    hi: float
+    above: bool = False
+    also: tuple[float, ...] = ()
+    unit: str = ""
+
+    def check(self, value: float, *, source: str, field: str) -> None:
+        if value in self.also:
+            return
+        low_ok = value > self.lo if self.above else value >= self.lo
+        if not (math.isfinite(value) and low_ok and value <= self.hi):
+            span = f"{'(' if self.above else '['}{_num(self.lo)}, {_num(self.hi)}]"
+            extra = "".join(f" or {_num(v)}" for v in self.also)
+            unit = f" {self.unit}" if self.unit else ""
+            raise InputError(f"must be in {span}{extra}{unit}, got {value}", source=source, field=field)
+
+
+def _num(x: float) -> str:
+    x = float(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+# Declared ranges shared by many fields (one-off fields write Annotated[T, Range(...)] themselves). The upper ends
+# catch unit slips and typos with a wide margin over any real deployment.
+MAX_TOKENS = 10_000_000        # one prompt, output or context; 10M is the longest context any released model claims
+Tokens = Annotated[int, Range(1, MAX_TOKENS, unit="tokens")]          # a token count of at least one
+Sequences = Annotated[int, Range(1, 1_000_000, unit="requests")]      # requests in a batch, slots, sequences
+BlockTokens = Annotated[int, Range(1, 65_536, unit="tokens per block")]
+MemoryFraction = Annotated[float, Range(0, 1, above=True, unit="(a fraction of memory, not a percentage)")]
+Share = Annotated[float, Range(0, 1, unit="(a fraction, not a percentage)")]
+HostSeconds = Annotated[float, Range(0, 10, unit="seconds")]          # host time of one step or sequence
+PoolSize = Annotated[int, Range(1, 1_000_000_000, unit="tokens or blocks")]   # a whole KV pool
+
+
+class Checked:
+    """Base of configuration dataclasses: construction (from YAML or from Python) checks every declared Range. A
+    subclass with its own __post_init__ calls super().__post_init__() first."""
+
+    def __post_init__(self) -> None:
+        for name, tp in _annotated_hints(type(self)).items():
+            value = getattr(self, name)
+            if value is None or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float):
+                if (r := range_of(tp)) is not None:
+                    r.check(value, source=None, field=name)
+            elif isinstance(value, tuple | list):
+                item = next((a for a in get_args(tp) if range_of(a) is not None), None)
+                r = range_of(item) if item is not None else None
+                for i, v in enumerate(value):
+                    if r is not None and isinstance(v, int | float) and not isinstance(v, bool):
+                        r.check(v, source=None, field=f"{name}[{i}]")
+
+
+@functools.cache
+def _annotated_hints(cls: type) -> dict[str, Any]:
+    return {k: v for k, v in get_type_hints(cls, include_extras=True).items()
+            if k in {f.name for f in dataclasses.fields(cls)}}
+
+
+def range_of(tp: Any) -> Range | None:
+    """The Range declared on a field's type (looking inside Optional), or None."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        found = [r for a in get_args(tp) if (r := range_of(a)) is not None]
+        return found[0] if found else None
+    if get_origin(tp) is Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, Range)), None)
+    return None
 _NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")  # exponent forms PyYAML leaves as strings
 
 
@@ -160,7 +238,7 @@ def convert(tp: Any, value: Any, *, source: str, field: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InputError(f"expected a number, got {_kind(value)}", source=source, field=field)
         if math.isnan(value):
-            raise InputError("NaN is not a valid number", source=source, field=field)
+            raise InputError("NaN is not a number; give a finite value", source=source, field=field)
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -6,13 +6,13 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from simengine.config.hardware import REPO_ROOT
-from simengine.config.loader import apply_overrides, from_dict, load_yaml
+from simengine.config.loader import Checked, Range, apply_overrides, from_dict, load_yaml
 from simengine.config.slo import SloConfig
 from simengine.errors import InputError, unknown_name
-from simengine.workload.config import WorkloadConfig
+from simengine.workload.config import MAX_REQUESTS, WorkloadConfig
 
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
 
@@ -20,32 +20,28 @@ SCENARIOS_DIR = REPO_ROOT / "scenarios"
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 # Bounds past which a value is a typo, not an experiment: the run would not finish (or not fit in memory).
 MAX_SIM_SECONDS = 1e7          # ~116 days of simulated time: horizon_s when no request count bounds the run
-MAX_REQUESTS = 100_000_000     # expected arrivals of one run (rate x time); the simulator does ~1e5 req/s at best
-MAX_TOKENS = 10_000_000        # one prompt or output; 10M is the longest context any released model claims
-MAX_USERS = 1_000_000          # closed-loop users / sessions alive at once
+SimSeconds = Annotated[float, Range(0, 1e12, unit="seconds of simulated time")]
+Devices = Annotated[int, Range(1, 1024, unit="devices")]
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeploymentConfig:
+class DeploymentConfig(Checked):
     """What serves the workload: `replicas` copies of `model` on tp x pp devices of `hardware`."""
 
     hardware: str
     model: str
     weight_dtype: str = "bf16"
     kv_dtype: str = "auto"          # auto = the weight's 16-bit activation dtype (fp8 weights keep a 16-bit KV)
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
+    tp: Devices = 1
+    pp: Devices = 1
+    replicas: Devices = 1
     router: str = "least_loaded"    # least_loaded | round_robin
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
 
     def __post_init__(self):
-        for k in ("tp", "pp", "replicas"):
-            v = getattr(self, k)
-            if v < 1 or v > 1024:
-                raise InputError(f"must be an integer in 1..1024, got {v}", field=f"deployment.{k}")
+        super().__post_init__()
         if self.router not in ("least_loaded", "round_robin"):
             raise unknown_name("router", self.router, ("least_loaded", "round_robin"), field="deployment.router")
 
@@ -68,29 +64,24 @@ class EngineEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Scenario:
+class Scenario(Checked):
     """A whole experiment. See docs/scenarios.md."""
 
     name: str
     description: str = ""
-    seed: int = 0
-    horizon_s: float = 300.0        # arrivals stop here
-    drain_s: float = 600.0          # then the engines drain for at most this long; what is left is unfinished
+    seed: Annotated[int, Range(0, 2**63 - 1)] = 0
+    horizon_s: SimSeconds = 300.0   # arrivals stop here
+    drain_s: SimSeconds = 600.0     # then the engines drain for at most this long; what is left is unfinished
     deployment: DeploymentConfig
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engines: list[EngineEntry] = field(default_factory=lambda: [EngineEntry(engine="vllm")])
     slo: SloConfig = field(default_factory=SloConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         if not SAFE_NAME.match(self.name):
             raise InputError(f"'{self.name}' is used as a folder name: use letters, digits, '.', '_', '+' or '-' "
                              "(no '/', no spaces, not starting with '.')", field="name")
-        if not 0 <= self.seed < 2**63:
-            raise InputError(f"must be an integer in [0, 2^63), got {self.seed}", field="seed")
-        for k in ("horizon_s", "drain_s"):
-            v = getattr(self, k)
-            if not math.isfinite(v) or v < 0:
-                raise InputError(f"must be a finite number >= 0, got {v}", field=k)
         if self.horizon_s > MAX_SIM_SECONDS and (self.workload.num_requests is None or self.workload.sessions):
             # with num_requests a long horizon only means "no time limit"; otherwise the run would not end
             raise InputError(f"{self.horizon_s:g} s is beyond any experiment (limit {MAX_SIM_SECONDS:g} s, ~116 days); "
@@ -110,31 +101,11 @@ class Scenario:
         _check_scale(self)
 
 
-def _dist_upper(d) -> float:
-    """A value a length distribution reaches (its cap, else its largest parameter): for typo checks only."""
-    if d.max is not None:
-        return d.max
-    return max(v for v in (d.value, d.high, d.mean, d.low, 0.0) if v is not None)
-
-
 def _check_scale(sc: Scenario) -> None:
-    """Reject workloads whose size is a typo (1e12 req/s, 1e12-token prompts): they would never finish."""
+    """Reject workloads whose size is a typo (1e12 req/s over a day): they would never finish. (Each field's own
+    range is declared on its type; this checks what only their product shows.)"""
     wl = sc.workload
-    dists = {"workload.input_tokens": wl.input_tokens, "workload.output_tokens": wl.output_tokens}
-    if wl.sessions is not None:
-        dists["workload.sessions.user_tokens"] = wl.sessions.user_tokens
-    for i, c in enumerate(getattr(wl, "classes", None) or []):
-        for k in ("input_tokens", "output_tokens"):
-            if getattr(c, k, None) is not None:
-                dists[f"workload.classes[{i}].{k}"] = getattr(c, k)
-    for path, d in dists.items():
-        if _dist_upper(d) > MAX_TOKENS:
-            raise InputError(f"reaches {_dist_upper(d):g} tokens, beyond any model's context (limit {MAX_TOKENS:g}); "
-                             "give token counts (set max: to cap a long tail)", field=path)
     arr = wl.arrival
-    if arr.process == "closed_loop" and arr.concurrency is not None and arr.concurrency > MAX_USERS:
-        raise InputError(f"{arr.concurrency} users is beyond any experiment (limit {MAX_USERS}); lower it",
-                         field="workload.arrival.concurrency")
     if getattr(wl, "trace", None) is not None or wl.sessions is not None:
         return
     if arr.process == "offline":

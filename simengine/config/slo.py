@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from simengine.errors import InputError
+from simengine.config.loader import Checked, Range
+
+Milliseconds = Annotated[float, Range(0, 1e9, above=True, unit="milliseconds")]
 
 
 @dataclass(frozen=True, kw_only=True)
-class SloConfig:
+class SloConfig(Checked):
     """A request is good if it meets every objective given (vLLM --goodput semantics; TPOT of 1-token outputs is 0)."""
 
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    def __post_init__(self):
-        for k in ("ttft_ms", "tpot_ms", "e2el_ms"):
-            v = getattr(self, k)
-            if v is not None and not v > 0:
-                raise InputError(f"must be > 0 ms, got {v}", field=f"slo.{k}")
+    ttft_ms: Milliseconds | None = None
+    tpot_ms: Milliseconds | None = None
+    e2el_ms: Milliseconds | None = None
 
     @property
     def any(self) -> bool:

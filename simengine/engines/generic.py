@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    BlockTokens,
+    Checked,
+    HostSeconds,
+    MemoryFraction,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
@@ -26,22 +33,15 @@ from simengine.kvcache.manager import KVCacheManager
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenericParams:
+class GenericParams(Checked):
     """Knobs of the generic engine, named after their vLLM V0 counterparts (vllm/config.py, v0.4)."""
 
-    max_num_seqs: int = 256                 # vLLM V0 SchedulerConfig default (config.py / arg_utils.py)
-    max_num_batched_tokens: int = 8192      # ESTIMATE: V0 required >= max_model_len; 8192 is the common serving value
-    gpu_memory_utilization: float = 0.9     # vLLM V0 CacheConfig default (arg_utils.py)
-    block_size: int = 16                    # vLLM V0 CacheConfig default
-    scheduler_cpu_s: float = 1.0e-3         # ESTIMATE: Python scheduling + input preparation per step
-    output_cpu_s: float = 0.5e-3            # ESTIMATE: sampling hand-off, stop checks, detokenisation per step
-
-    def __post_init__(self):
-        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            check_positive(getattr(self, name), name)
-        check_positive(self.scheduler_cpu_s, "scheduler_cpu_s", allow_zero=True)
-        check_positive(self.output_cpu_s, "output_cpu_s", allow_zero=True)
+    max_num_seqs: Sequences = 256                 # vLLM V0 SchedulerConfig default (config.py / arg_utils.py)
+    max_num_batched_tokens: Tokens = 8192  # ESTIMATE: V0 required >= max_model_len; 8192 is the common serving value
+    gpu_memory_utilization: MemoryFraction = 0.9  # vLLM V0 CacheConfig default (arg_utils.py)
+    block_size: BlockTokens = 16                  # vLLM V0 CacheConfig default
+    scheduler_cpu_s: HostSeconds = 1.0e-3         # ESTIMATE: Python scheduling + input preparation per step
+    output_cpu_s: HostSeconds = 0.5e-3            # ESTIMATE: sampling hand-off, stop checks, detokenisation per step
 
 
 @ENGINES.register("generic")

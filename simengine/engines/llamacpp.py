@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
 
-from simengine.config.loader import check_positive
+from simengine.config.loader import MAX_TOKENS, Checked, Range, Sequences, Share, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
@@ -54,34 +55,29 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlamaCppParams:
+class LlamaCppParams(Checked):
     """llama-server flags (long names, dashes as underscores). Defaults from common/common.h at 001d906."""
 
-    n_parallel: int | None = None        # -np; None (or 1 without -kvu): 4 slots, unified KV (server.cpp, #16736)
+    n_parallel: Sequences | None = None  # -np; None (or 1 without -kvu): 4 slots, unified KV (server.cpp, #16736)
     kv_unified: bool | None = None       # -kvu; None: true when n_parallel was auto-set (same)
-    ctx_size: int = 0                    # -c; 0: the model's training context, shrunk by --fit (common.h n_ctx)
+    # -c; 0: the model's training context, shrunk by --fit (common.h n_ctx)
+    ctx_size: Annotated[int, Range(0, MAX_TOKENS)] = 0
     fit: bool = True                     # --fit (common.h fit_params)
-    fit_target: int = 1024               # --fit-target: MiB --fit leaves free per device (common.h fit_params_target)
-    fit_ctx: int = 4096                  # --fit-ctx: smallest n_ctx --fit shrinks to (common.h fit_params_min_ctx)
-    batch_size: int = 2048               # -b: logical batch n_batch (common.h)
-    ubatch_size: int = 512               # -ub: physical batch n_ubatch (common.h)
+    # --fit-target: MiB --fit leaves free per device (common.h fit_params_target)
+    fit_target: Annotated[int, Range(0, 1 << 24)] = 1024
+    fit_ctx: Tokens = 4096               # --fit-ctx: smallest n_ctx --fit shrinks to (common.h fit_params_min_ctx)
+    batch_size: Tokens = 2048            # -b: logical batch n_batch (common.h)
+    ubatch_size: Tokens = 512            # -ub: physical batch n_ubatch (common.h)
     cont_batching: bool = True           # -cb (common.h cont_batching)
     context_shift: bool = False          # --context-shift (common.h ctx_shift)
     cache_prompt: bool = True            # request field cache_prompt, on by default (common.h)
-    cache_ram: int = 8192                # --cache-ram: MiB of host prompt cache, -1 no limit, 0 off (common.h)
+    # --cache-ram: MiB of host prompt cache, -1 no limit, 0 off (common.h)
+    cache_ram: Annotated[int, Range(0, 1 << 30, also=(-1,))] = 8192
     cache_idle_slots: bool = True        # --cache-idle-slots: save idle slots to the RAM cache (common.h)
-    slot_prompt_similarity: float = 0.1  # -sps; 0 disables similarity-based slot choice (common.h)
+    slot_prompt_similarity: Share = 0.1  # -sps; 0 disables similarity-based slot choice (common.h)
 
     def __post_init__(self):
-        for name in ("n_parallel", "batch_size", "ubatch_size", "fit_ctx"):
-            check_positive(getattr(self, name), name)
-        for name in ("ctx_size", "fit_target"):
-            check_positive(getattr(self, name), name, allow_zero=True)
-        if self.cache_ram < -1:
-            raise InputError(f"must be -1 (no limit), 0 (off) or a size in MiB, got {self.cache_ram}",
-                             field="cache_ram")
-        if not 0.0 <= self.slot_prompt_similarity <= 1.0:
-            raise InputError(f"must be in [0, 1], got {self.slot_prompt_similarity}", field="slot_prompt_similarity")
+        super().__post_init__()
         if self.context_shift:
             raise InputError("true is not modelled (shifting discards KV mid-sequence, which the simulator's token "
                              "accounting cannot represent); leave the default false", field="context_shift")

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 
 from simengine.config.dtypes import kv_bytes
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import BlockTokens, Checked, Range, Sequences, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
@@ -38,28 +38,22 @@ KV_BY_QUANT_POLICY = {4: "int4", 8: "int8"}   # messages.py QuantPolicy: 0 = 16-
 
 
 @dataclass(frozen=True, kw_only=True)
-class LmdeployParams:
+class LmdeployParams(Checked):
     """TurbomindEngineConfig fields (lmdeploy/messages.py, v0.16.0) plus the stateful-session switch."""
 
-    max_batch_size: int | None = None          # None: A100/A800 384, H100/H800/H200/L20Y 1024, else 128 (utils.py)
-    session_len: int | None = None             # None: the model's context length (capped to the KV pool here)
-    max_prefill_token_num: int = 8192          # messages.py; forward budget = this + max_batch_size (turbomind.cc)
-    max_context_token_num: int | None = None   # None: session_len (engine_config.h); caps the pass's prefill contexts
-    cache_max_entry_count: float = 0.8         # messages.py: fraction of FREE memory after weights (> 1: block count)
-    cache_block_seq_len: int = 64              # messages.py
-    enable_prefix_caching: bool = False        # messages.py
-    quant_policy: Literal[0, 4, 8] = 0         # messages.py: KV 16-bit / int4 / int8 (FP8 KV is rejected)
-    async_: Literal[0, 1] = 1                  # messages.py; turbomind.cc phases_ = async_ ? 2 : 1
+    max_batch_size: Sequences | None = None      # None: A100/A800 384, H100/H800/H200/L20Y 1024, else 128 (utils.py)
+    session_len: Tokens | None = None            # None: the model's context length (capped to the KV pool here)
+    max_prefill_token_num: Tokens = 8192         # messages.py; forward budget = this + max_batch_size (turbomind.cc)
+    max_context_token_num: Tokens | None = None  # None: session_len (engine_config.h); caps the pass's prefill contexts
+    # messages.py: fraction of FREE memory after weights (> 1: block count)
+    cache_max_entry_count: Annotated[float, Range(0, 1e9, above=True)] = 0.8
+    cache_block_seq_len: BlockTokens = 64        # messages.py
+    enable_prefix_caching: bool = False          # messages.py
+    quant_policy: Literal[0, 4, 8] = 0           # messages.py: KV 16-bit / int4 / int8 (FP8 KV is rejected)
+    async_: Literal[0, 1] = 1                    # messages.py; turbomind.cc phases_ = async_ ? 2 : 1
     # lmdeploy's session API: pipeline/engine calls with session_id and sequence_start/sequence_end=False keep
     # a conversation's KV between turns. Off = every turn is a fresh sequence (sequence_start=end=True).
     interactive_sessions: bool = False
-
-    def __post_init__(self):
-        for name in ("max_batch_size", "session_len", "max_prefill_token_num", "max_context_token_num",
-                     "cache_max_entry_count", "cache_block_seq_len"):
-            check_positive(getattr(self, name), name)
-        if self.cache_max_entry_count <= 1:
-            check_fraction(self.cache_max_entry_count, "cache_max_entry_count")
 
 
 def turbomind_max_batch_size(dep: Deployment) -> int:

@@ -17,7 +17,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    BlockTokens,
+    Checked,
+    MemoryFraction,
+    PoolSize,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
@@ -33,31 +40,25 @@ DECODE_WATERMARK = 8   # batch_prefill_base.cc HasPrefillSpace: room for 8 decod
 
 
 @dataclass(frozen=True, kw_only=True)
-class MlcParams:
+class MlcParams(Checked):
     """`mlc_llm serve` options and EngineConfig fields (cpp/serve/config.h, python/mlc_llm/serve/config.py)."""
 
     mode: Literal["local", "interactive", "server"] = "local"  # --mode (cli/serve.py)
     # None below: inferred per mode by config.cc EstimateMemoryUsageOnMode (the rules in docs/engines/mlc.md)
-    max_num_sequence: int | None = None             # local min(4, max_batch_size), interactive 1, server max_batch_size
-    max_total_sequence_length: int | None = None    # KV tokens: local min(mem, ctx, 8192), interactive min(mem, ctx),
-                                                    # server min(mem, max_num_sequence x ctx)
-    prefill_chunk_size: int | None = None           # local/interactive min(compiled, total, ctx); server compiled
-    max_single_sequence_length: int | None = None   # the model's context_window_size (config.cc GetModelConfigLimits)
-    max_batch_size: int = 128                       # compiled max batch size (gen_config default, engines.md §6.3)
-    compiled_prefill_chunk_size: int | None = None  # None: min(context window, 8192) (model/llama/llama_model.py)
-    gpu_memory_utilization: float = 0.85            # EngineConfig default, fraction of TOTAL memory (config.cc)
-    kv_cache_page_size: int = 16                    # EngineConfig default
-    prefill_mode: Literal["hybrid", "chunked"] = "hybrid"     # EngineConfig default
+    max_num_sequence: Sequences | None = None      # local min(4, max_batch_size), interactive 1, server max_batch_size
+    # KV tokens: local min(mem, ctx, 8192), interactive min(mem, ctx), server min(mem, max_num_sequence x ctx)
+    max_total_sequence_length: PoolSize | None = None
+    prefill_chunk_size: Tokens | None = None       # local/interactive min(compiled, total, ctx); server compiled
+    max_single_sequence_length: Tokens | None = None  # the model's context_window_size (config.cc GetModelConfigLimits)
+    max_batch_size: Sequences = 128                # compiled max batch size (gen_config default, engines.md §6.3)
+    compiled_prefill_chunk_size: Tokens | None = None  # None: min(context window, 8192) (model/llama/llama_model.py)
+    gpu_memory_utilization: MemoryFraction = 0.85  # EngineConfig default, fraction of TOTAL memory (config.cc)
+    kv_cache_page_size: BlockTokens = 16           # EngineConfig default
+    prefill_mode: Literal["hybrid", "chunked"] = "hybrid"  # EngineConfig default
     prefix_cache_mode: Literal["radix", "disable"] = "radix"  # EngineConfig default
-    prefix_cache_max_num_recycling_seqs: int | None = None    # None: max_num_sequence (config.cc FromJSONAndInferred..)
-    opt: Literal["O0", "O1", "O2", "O3"] = "O2"     # compile --opt; O2/O3 enable cudagraph on CUDA (compiler_flags.py)
-
-    def __post_init__(self):
-        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("max_num_sequence", "max_total_sequence_length", "prefill_chunk_size", "max_batch_size",
-                     "max_single_sequence_length", "compiled_prefill_chunk_size", "kv_cache_page_size",
-                     "prefix_cache_max_num_recycling_seqs"):
-            check_positive(getattr(self, name), name)
+    # None: max_num_sequence (config.cc FromJSONAndInferred..)
+    prefix_cache_max_num_recycling_seqs: Sequences | None = None
+    opt: Literal["O0", "O1", "O2", "O3"] = "O2"    # compile --opt; O2/O3 enable cudagraph on CUDA (compiler_flags.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    BlockTokens,
+    Checked,
+    MemoryFraction,
+    PoolSize,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
@@ -25,23 +32,19 @@ from simengine.kvcache.manager import KVCacheManager
 
 
 @dataclass(frozen=True, kw_only=True)
-class OrcaParams:
+class OrcaParams(Checked):
     """Orca's scheduler knobs under Sarathi-Serve's names (Orca itself was never released)."""
 
-    max_num_seqs: int = 128              # Orca's max_bs; sarathi-serve BaseSchedulerConfig.max_num_seqs and Vidur
+    max_num_seqs: Sequences = 128  # Orca's max_bs; sarathi-serve BaseSchedulerConfig.max_num_seqs and Vidur
                                          # BaseReplicaSchedulerConfig.batch_size_cap both default to 128
-    block_size: int = 16                 # sarathi-serve CacheConfig.block_size; Vidur block_size 16
-    gpu_memory_utilization: float = 0.8  # of total memory: Vidur ReplicaConfig and sarathi-serve WorkerConfig 0.8
+    block_size: BlockTokens = 16                  # sarathi-serve CacheConfig.block_size; Vidur block_size 16
+    # of total memory: Vidur ReplicaConfig and sarathi-serve WorkerConfig 0.8
+    gpu_memory_utilization: MemoryFraction = 0.8
     reserve: Literal["max_tokens", "max_model_len"] = "max_tokens"
     # "max_tokens": the paper's rule, prompt + the request's max_tokens (OSDI'22 Algorithm 1); "max_model_len":
     # sarathi-serve's OrcaBlockSpaceManager (ceil(max_model_len / block_size) blocks per request)
-    max_model_len: int | None = None     # None: the model's max_position_embeddings
-    num_blocks: int | None = None        # Vidur BaseReplicaSchedulerConfig.num_blocks: None = sized from memory
-
-    def __post_init__(self):
-        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("max_num_seqs", "block_size", "max_model_len", "num_blocks"):
-            check_positive(getattr(self, name), name)
+    max_model_len: Tokens | None = None           # None: the model's max_position_embeddings
+    num_blocks: PoolSize | None = None  # Vidur BaseReplicaSchedulerConfig.num_blocks: None = sized from memory
 
 
 @ENGINES.register("orca")

@@ -12,8 +12,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Annotated
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    BlockTokens,
+    Checked,
+    MemoryFraction,
+    PoolSize,
+    Range,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
@@ -27,22 +36,20 @@ ARRIVAL_ORDER = attrgetter("arrival_s", "request_id")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SarathiParams:
+class SarathiParams(Checked):
     """sarathi-serve knob names (sarathi/config/config.py) and defaults."""
 
-    chunk_size: int = 512                   # SarathiSchedulerConfig.chunk_size (Vidur SarathiSchedulerConfig 512)
-    max_num_seqs: int = 128                 # BaseSchedulerConfig.max_num_seqs (Vidur batch_size_cap 128)
-    block_size: int = 16                    # CacheConfig.block_size
-    gpu_memory_utilization: float = 0.8     # WorkerConfig.gpu_memory_utilization, of total memory
-    watermark_blocks_fraction: float = 0.01  # BaseBlockSpaceManager watermark=0.01 (Vidur watermark_blocks_fraction)
-    max_model_len: int | None = None        # ModelConfig.max_model_len; None: from the model config
-    num_gpu_blocks: int | None = None       # CacheConfig.num_gpu_blocks; None: set by memory profiling
+    chunk_size: Tokens = 512                      # SarathiSchedulerConfig.chunk_size (Vidur SarathiSchedulerConfig 512)
+    max_num_seqs: Sequences = 128                 # BaseSchedulerConfig.max_num_seqs (Vidur batch_size_cap 128)
+    block_size: BlockTokens = 16                  # CacheConfig.block_size
+    gpu_memory_utilization: MemoryFraction = 0.8  # WorkerConfig.gpu_memory_utilization, of total memory
+    # BaseBlockSpaceManager watermark=0.01 (Vidur watermark_blocks_fraction)
+    watermark_blocks_fraction: Annotated[float, Range(0, 1)] = 0.01
+    max_model_len: Tokens | None = None           # ModelConfig.max_model_len; None: from the model config
+    num_gpu_blocks: PoolSize | None = None        # CacheConfig.num_gpu_blocks; None: set by memory profiling
 
     def __post_init__(self):
-        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("chunk_size", "max_num_seqs", "block_size", "max_model_len", "num_gpu_blocks"):
-            check_positive(getattr(self, name), name)
-        check_positive(self.watermark_blocks_fraction, "watermark_blocks_fraction", allow_zero=True)
+        super().__post_init__()
         if self.watermark_blocks_fraction >= 1.0:
             raise InputError(f"must be < 1, got {self.watermark_blocks_fraction}", field="watermark_blocks_fraction")
 

@@ -13,15 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    MAX_TOKENS,
+    BlockTokens,
+    Checked,
+    MemoryFraction,
+    PoolSize,
+    Range,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
-from simengine.errors import InputError
 from simengine.kvcache.radix import RadixCache
 
 MIB = 2**20
@@ -35,35 +43,29 @@ IN_BATCH_PREFIX_THRESHOLD = 32      # schedule_policy.py IN_BATCH_PREFIX_CACHING
 
 
 @dataclass(frozen=True, kw_only=True)
-class SglangParams:
+class SglangParams(Checked):
     """SGLang server arguments (CLI flag names with dashes as underscores). Defaults from 0.5.23."""
 
-    mem_fraction_static: float | None = None    # None: (gpu_mem - reserved) / gpu_mem (arg_groups/memory_hook.py)
-    max_total_tokens: int | None = None         # caps the KV pool in tokens (fields/memory.py; model_runner min())
-    max_running_requests: int | None = None     # None: clamp(kv/context*512, 2048, 4096) <= kv/2 (pool_configurator.py)
-    chunked_prefill_size: int | None = None     # None: by GPU memory, 8192 on H100/H200 (memory_hook.py); -1 = off
-    max_prefill_tokens: int = 16384             # fields/schedule.py
+    # None: (gpu_mem - reserved) / gpu_mem (arg_groups/memory_hook.py)
+    mem_fraction_static: MemoryFraction | None = None
+    max_total_tokens: PoolSize | None = None       # caps the KV pool in tokens (fields/memory.py; model_runner min())
+    # None: clamp(kv/context*512, 2048, 4096) <= kv/2 (pool_configurator.py)
+    max_running_requests: Sequences | None = None
+    # None: by GPU memory, 8192 on H100/H200 (memory_hook.py); -1 = off
+    chunked_prefill_size: Annotated[int, Range(1, MAX_TOKENS, also=(-1,))] | None = None
+    max_prefill_tokens: Tokens = 16384             # fields/schedule.py
     schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof"] = "fcfs"  # fields/schedule.py (was lpm before)
-    schedule_conservativeness: float = 1.0      # fields/schedule.py; scales the initial new_token_ratio
-    page_size: int = 1                          # overrides.py::_page_size_default on CUDA
-    disable_radix_cache: bool = False           # fields/memory.py
-    enable_mixed_chunk: bool = False            # fields/schedule.py
-    disable_overlap_schedule: bool = False      # fields/schedule.py (overlap scheduler on by default)
-    enable_priority_scheduling: bool = False    # fields/schedule.py
+    # fields/schedule.py; scales the initial new_token_ratio
+    schedule_conservativeness: Annotated[float, Range(0, 100, above=True)] = 1.0
+    page_size: BlockTokens = 1                     # overrides.py::_page_size_default on CUDA
+    disable_radix_cache: bool = False              # fields/memory.py
+    enable_mixed_chunk: bool = False               # fields/schedule.py
+    disable_overlap_schedule: bool = False         # fields/schedule.py (overlap scheduler on by default)
+    enable_priority_scheduling: bool = False       # fields/schedule.py
     schedule_low_priority_values_first: bool = False  # fields/schedule.py: default serves HIGHER values first
-    disable_cuda_graph: bool = False            # fields/exec_.py
-    cuda_graph_max_bs_decode: int | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
-    context_length: int | None = None           # None: the model's max_position_embeddings
-
-    def __post_init__(self):
-        if self.mem_fraction_static is not None:
-            check_fraction(self.mem_fraction_static, "mem_fraction_static")
-        for name in ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "page_size",
-                     "cuda_graph_max_bs_decode", "context_length", "schedule_conservativeness"):
-            check_positive(getattr(self, name), name)
-        c = self.chunked_prefill_size
-        if c is not None and c != -1 and c < 1:
-            raise InputError(f"must be > 0 or -1 (disabled), got {c}", field="chunked_prefill_size")
+    disable_cuda_graph: bool = False               # fields/exec_.py
+    cuda_graph_max_bs_decode: Sequences | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
+    context_length: Tokens | None = None           # None: the model's max_position_embeddings
 
 
 def sglang_gpu_defaults(dep: Deployment) -> tuple[int, int]:

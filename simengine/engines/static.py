@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from simengine.config.loader import check_positive
+from simengine.config.loader import Checked, Sequences
 from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
@@ -26,18 +26,16 @@ from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_res
 
 
 @dataclass(frozen=True, kw_only=True)
-class StaticParams:
+class StaticParams(Checked):
     """A server that calls `model.generate` on batches (HF `pipeline(..., batch_size=...)` semantics)."""
 
-    batch_size: int = 8   # ESTIMATE: pipeline batch_size defaults to 1 (no batching; transformers pipelines/base.py);
-                          # 8 is the first batched size in the "Pipeline batching" section of HF's pipelines docs
+    # ESTIMATE: pipeline batch_size defaults to 1 (no batching; transformers pipelines/base.py);
+    # 8 is the first batched size in the "Pipeline batching" section of HF's pipelines docs
+    batch_size: Sequences = 8
     preallocate: Literal["max_tokens", "max_model_len"] = "max_tokens"
     # "max_tokens": generate(cache_implementation="static") sizes each row to generation_config.max_length - 1 =
     # padded prompt + max_new_tokens (transformers generation/utils.py); "max_model_len": a StaticCache built
     # without max_cache_len takes config.max_position_embeddings (cache_utils.py), the classic max-length buffer.
-
-    def __post_init__(self):
-        check_positive(self.batch_size, "batch_size")
 
 
 @ENGINES.register("static")

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
-from simengine.errors import InputError
 from simengine.kvcache.radix import RadixCache, RadixHold
 
 DEFAULT_GENERATION_LENGTH = 1024     # router/src/validation.rs: tokens reserved and generated per queue visit
@@ -31,35 +30,25 @@ BLOCK_SIZES = {"flashinfer": 1, "flashdecoding": 256, "paged": 16}   # server/..
 
 
 @dataclass(frozen=True, kw_only=True)
-class TgiParams:
+class TgiParams(Checked):
     """text-generation-launcher flags (and the shard's environment variables), dashes as underscores."""
 
-    max_concurrent_requests: int = 128          # launcher/src/main.rs; more in flight -> 429 "Model is overloaded"
-    max_batch_prefill_tokens: int | None = None  # None: compute-optimal = GPU fp16 FLOP/s / model FLOP per token
-    max_batch_total_tokens: int | None = None    # None: inferred from free memory at warmup (flash_causal_lm.warmup)
-    max_batch_size: int | None = None            # launcher/src/main.rs (None = no cap)
-    max_input_tokens: int | None = None          # None: max_total_tokens - 1
-    max_total_tokens: int | None = None          # None: min(KV capacity, max_position_embeddings)
-    waiting_served_ratio: float = 0.3            # launcher/src/main.rs (ignored with prefill chunking)
-    max_waiting_tokens: int = 20                 # launcher/src/main.rs (ignored with prefill chunking)
-    cuda_memory_fraction: float = 1.0            # launcher/src/main.rs
-    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # launcher/src/main.rs; (0,) disables
-    speculate: int = 0                           # launcher/src/main.rs --speculate (None = 0)
-    prefix_caching: bool = True                  # env PREFIX_CACHING (launcher resolve_attention; off on paged)
-    prefill_chunking: bool = True                # env PREFILL_CHUNKING (models/globals.py)
-    attention: Literal["flashinfer", "flashdecoding", "paged"] = "flashinfer"   # env ATTENTION -> block size
-    tgi_wiggle_room: float = 0.90                # env TGI_WIGGLE_ROOM (models/globals.py)
-
-    def __post_init__(self):
-        for name in ("max_concurrent_requests", "max_batch_prefill_tokens", "max_batch_total_tokens",
-                     "max_batch_size", "max_input_tokens", "max_total_tokens", "max_waiting_tokens"):
-            check_positive(getattr(self, name), name)
-        check_positive(self.speculate, "speculate", allow_zero=True)
-        check_positive(self.waiting_served_ratio, "waiting_served_ratio", allow_zero=True)
-        check_fraction(self.cuda_memory_fraction, "cuda_memory_fraction")
-        check_fraction(self.tgi_wiggle_room, "tgi_wiggle_room")
-        if any(s < 0 for s in self.cuda_graphs):
-            raise InputError(f"batch sizes must be >= 0, got {list(self.cuda_graphs)}", field="cuda_graphs")
+    max_concurrent_requests: Sequences = 128        # launcher/src/main.rs; more in flight -> 429 "Model is overloaded"
+    max_batch_prefill_tokens: Tokens | None = None  # None: compute-optimal = GPU fp16 FLOP/s / model FLOP per token
+    max_batch_total_tokens: PoolSize | None = None  # None: inferred from free memory at warmup (flash_causal_lm.warmup)
+    max_batch_size: Sequences | None = None         # launcher/src/main.rs (None = no cap)
+    max_input_tokens: Tokens | None = None          # None: max_total_tokens - 1
+    max_total_tokens: Tokens | None = None          # None: min(KV capacity, max_position_embeddings)
+    waiting_served_ratio: Annotated[float, Range(0, 1000)] = 0.3  # launcher/src/main.rs (ignored with prefill chunking)
+    max_waiting_tokens: Annotated[int, Range(1, 1_000_000)] = 20  # launcher/src/main.rs (ignored with prefill chunking)
+    cuda_memory_fraction: MemoryFraction = 1.0      # launcher/src/main.rs
+    # launcher/src/main.rs; (0,) disables
+    cuda_graphs: tuple[Annotated[int, Range(0, 1_000_000)], ...] = (1, 2, 4, 8, 16, 32)
+    speculate: Annotated[int, Range(0, 64)] = 0     # launcher/src/main.rs --speculate (None = 0)
+    prefix_caching: bool = True                     # env PREFIX_CACHING (launcher resolve_attention; off on paged)
+    prefill_chunking: bool = True                   # env PREFILL_CHUNKING (models/globals.py)
+    attention: Literal["flashinfer", "flashdecoding", "paged"] = "flashinfer"  # env ATTENTION -> block size
+    tgi_wiggle_room: MemoryFraction = 0.90          # env TGI_WIGGLE_ROOM (models/globals.py)
 
 
 def tgi_compute_optimal_prefill(dep: Deployment) -> int:

@@ -19,7 +19,14 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import (
+    BlockTokens,
+    Checked,
+    MemoryFraction,
+    PoolSize,
+    Sequences,
+    Tokens,
+)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
@@ -35,28 +42,26 @@ _OVERLAP_TAIL = "overlap_tail"   # engine_state of a request finished on the GPU
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrtllmParams:
+class TrtllmParams(Checked):
     """TensorRT-LLM LLM-API arguments (tensorrt_llm/llmapi/llm_args.py, 1.x); nested configs flattened to leaves."""
 
-    max_batch_size: int = 2048                 # BaseLlmArgs.max_batch_size (llm_args.py)
-    max_num_tokens: int = 8192                 # BaseLlmArgs.max_num_tokens (llm_args.py)
-    max_seq_len: int | None = None             # None: the model's max_position_embeddings, capped to the KV pool
-    enable_chunked_prefill: bool = False       # BaseLlmArgs.enable_chunked_prefill (llm_args.py)
+    max_batch_size: Sequences = 2048                # BaseLlmArgs.max_batch_size (llm_args.py)
+    max_num_tokens: Tokens = 8192                   # BaseLlmArgs.max_num_tokens (llm_args.py)
+    max_seq_len: Tokens | None = None               # None: the model's max_position_embeddings, capped to the KV pool
+    enable_chunked_prefill: bool = False            # BaseLlmArgs.enable_chunked_prefill (llm_args.py)
     capacity_scheduler_policy: CapacityPolicy = "GUARANTEED_NO_EVICT"  # scheduler_config (llm_args.py SchedulerConfig)
-    free_gpu_memory_fraction: float = 0.9      # kv_cache_config (KvCacheConfig): fraction of FREE memory
-    tokens_per_block: int = 32                 # kv_cache_config.tokens_per_block (KvCacheConfig)
-    enable_block_reuse: bool = True            # kv_cache_config.enable_block_reuse (KvCacheConfig)
-    kv_cache_max_tokens: int | None = None     # kv_cache_config.max_tokens: an upper bound on the pool (KvCacheConfig)
-    disable_overlap_scheduler: bool = False    # llm_args.py; docs features/overlap-scheduler ("on by default")
-    cuda_graph_config: bool = True             # llm_args.py: CudaGraphConfig() by default; null/false disables graphs
-    cuda_graph_max_batch_size: int = 128       # CudaGraphConfig.max_batch_size (0 -> 128)
-    cuda_graph_enable_padding: bool = False    # CudaGraphConfig.enable_padding
+    free_gpu_memory_fraction: MemoryFraction = 0.9  # kv_cache_config (KvCacheConfig): fraction of FREE memory
+    tokens_per_block: BlockTokens = 32              # kv_cache_config.tokens_per_block (KvCacheConfig)
+    enable_block_reuse: bool = True                 # kv_cache_config.enable_block_reuse (KvCacheConfig)
+    # kv_cache_config.max_tokens: an upper bound on the pool (KvCacheConfig)
+    kv_cache_max_tokens: PoolSize | None = None
+    disable_overlap_scheduler: bool = False         # llm_args.py; docs features/overlap-scheduler ("on by default")
+    cuda_graph_config: bool = True  # llm_args.py: CudaGraphConfig() by default; null/false disables graphs
+    cuda_graph_max_batch_size: Sequences = 128      # CudaGraphConfig.max_batch_size (0 -> 128)
+    cuda_graph_enable_padding: bool = False         # CudaGraphConfig.enable_padding
 
     def __post_init__(self):
-        check_fraction(self.free_gpu_memory_fraction, "free_gpu_memory_fraction")
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block", "kv_cache_max_tokens",
-                     "cuda_graph_max_batch_size"):
-            check_positive(getattr(self, name), name)
+        super().__post_init__()
         if self.enable_chunked_prefill and self.max_num_tokens < self.tokens_per_block:
             raise InputError(f"must be >= tokens_per_block ({self.tokens_per_block}) when chunks end on blocks, "
                              f"got {self.max_num_tokens}", field="max_num_tokens")

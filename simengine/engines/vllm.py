@@ -13,9 +13,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from simengine.config.loader import check_fraction, check_positive
+from simengine.config.loader import MAX_TOKENS, Checked, MemoryFraction, Range, Sequences, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
@@ -28,30 +28,23 @@ GIB = 2**30
 
 
 @dataclass(frozen=True, kw_only=True)
-class VllmParams:
+class VllmParams(Checked):
     """vLLM engine arguments (CLI flag names with dashes as underscores). Defaults from vLLM 0.33.0."""
 
-    max_num_seqs: int | None = None            # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
-    max_num_batched_tokens: int | None = None  # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
-    gpu_memory_utilization: float = 0.92       # config/cache.py (0.9 before 0.33)
+    max_num_seqs: Sequences | None = None  # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
+    max_num_batched_tokens: Tokens | None = None   # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
+    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py (0.9 before 0.33)
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
-    enable_prefix_caching: bool = True         # config/cache.py
-    long_prefill_token_threshold: int = 0      # config/scheduler.py (0 = off)
+    enable_prefix_caching: bool = True             # config/cache.py
+    long_prefill_token_threshold: Annotated[int, Range(0, MAX_TOKENS)] = 0  # config/scheduler.py (0 = off)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
-    max_model_len: int | None = None           # None: the model's max_position_embeddings, capped to fit the KV pool
-    enforce_eager: bool = False                # disables CUDA graphs
-    async_scheduling: bool = True              # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU
-    kv_cache_memory_bytes: int | None = None   # overrides the gpu_memory_utilization rule
+    max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
+    enforce_eager: bool = False                    # disables CUDA graphs
+    async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU
+    kv_cache_memory_bytes: Annotated[int, Range(1, 2**50)] | None = None  # overrides the gpu_memory_utilization rule
     # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
     # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
-    num_scheduler_steps: int = 1
-
-    def __post_init__(self):
-        check_fraction(self.gpu_memory_utilization, "gpu_memory_utilization")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "num_scheduler_steps"):
-            check_positive(getattr(self, name), name)
-        check_positive(self.long_prefill_token_threshold, "long_prefill_token_threshold", allow_zero=True)
-        check_positive(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    num_scheduler_steps: Annotated[int, Range(1, 1024)] = 1
 
 
 def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:

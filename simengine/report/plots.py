@@ -119,7 +119,8 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     a_tpl.set_ylabel("TPOT (ms/token)")
     for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:   # a panel no engine drew (no TPOT of 1-token outputs) has no legend
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

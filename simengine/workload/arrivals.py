@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 
+from simengine.config.loader import Checked, Range
 from simengine.errors import InputError
+
+MAX_RATE = 1e6                  # requests per second: beyond any real deployment
+MAX_USERS = 1_000_000           # closed-loop users / sessions alive at once
+Rate = Annotated[float, Range(0, MAX_RATE, above=True, unit="requests per second (process: offline sends all at t=0)")]
+Period = Annotated[float, Range(0, 1e9, above=True, unit="seconds")]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ArrivalConfig:
+class ArrivalConfig(Checked):
     """How requests arrive.
 
     poisson: exponential gaps at `rate` req/s. gamma: gaps ~ Gamma(shape=burstiness, scale=1/(rate*burstiness))
@@ -24,31 +30,20 @@ class ArrivalConfig:
     """
 
     process: Literal["poisson", "gamma", "constant", "offline", "closed_loop", "ramp", "diurnal"] = "poisson"
-    rate: float | None = None          # requests per second (the end rate of a ramp, the mean of a diurnal curve)
-    burstiness: float = 1.0
-    concurrency: int | None = None     # closed_loop users
-    ramp_start_rate: float = 0.0
-    ramp_duration_s: float = 60.0
-    amplitude: float = 0.5             # diurnal: relative swing, in [0, 1]
-    period_s: float = 86400.0
+    rate: Rate | None = None           # requests per second (the end rate of a ramp, the mean of a diurnal curve)
+    burstiness: Annotated[float, Range(0, 1000, above=True)] = 1.0
+    concurrency: Annotated[int, Range(1, MAX_USERS, unit="users")] | None = None     # closed_loop users
+    ramp_start_rate: Annotated[float, Range(0, MAX_RATE)] = 0.0
+    ramp_duration_s: Period = 60.0
+    amplitude: Annotated[float, Range(0, 1)] = 0.5             # diurnal: relative swing
+    period_s: Period = 86400.0
 
     def __post_init__(self):
-        if self.process in ("poisson", "gamma", "constant", "ramp", "diurnal"):
-            if self.rate is None or not math.isfinite(self.rate) or self.rate <= 0:
-                raise InputError(f"{self.process} arrivals need rate > 0 (requests per second), got {self.rate}",
-                                 field="workload.arrival.rate")
-            if self.rate > 1e6:
-                raise InputError(f"{self.rate} requests/s is beyond any real deployment; use <= 1e6 or "
-                                 "process: offline", field="workload.arrival.rate")
-        checks = {"burstiness": self.burstiness, "ramp_duration_s": self.ramp_duration_s, "period_s": self.period_s}
-        for k, v in checks.items():
-            if not math.isfinite(v) or v <= 0:
-                raise InputError(f"must be > 0, got {v}", field=f"workload.arrival.{k}")
-        if not 0 <= self.amplitude <= 1:
-            raise InputError(f"must be in [0, 1], got {self.amplitude}", field="workload.arrival.amplitude")
-        if self.ramp_start_rate < 0 or not math.isfinite(self.ramp_start_rate):
-            raise InputError(f"must be >= 0, got {self.ramp_start_rate}", field="workload.arrival.ramp_start_rate")
-        if self.process == "closed_loop" and (self.concurrency is None or self.concurrency < 1):
+        super().__post_init__()
+        if self.process in ("poisson", "gamma", "constant", "ramp", "diurnal") and self.rate is None:
+            raise InputError(f"{self.process} arrivals need rate > 0 (requests per second)",
+                             field="workload.arrival.rate")
+        if self.process == "closed_loop" and self.concurrency is None:
             raise InputError("closed_loop arrivals need concurrency >= 1", field="workload.arrival.concurrency")
 
     def rate_at(self, t: float) -> float:

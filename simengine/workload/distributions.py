@@ -4,39 +4,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 
+from simengine.config.loader import MAX_TOKENS, Checked, Range
 from simengine.errors import InputError
 from simengine.workload.datasets import check_table, sample_table, scale_for_mean
 
+Magnitude = Annotated[float, Range(0, 1e12)]          # a time, count or length: never negative
+TokenCount = Annotated[float, Range(1, MAX_TOKENS, unit="tokens (set max: to cap a long tail)")]
+
 
 @dataclass(frozen=True, kw_only=True)
-class Dist:
+class Dist(Checked):
     """A scalar distribution. lognormal: `mean` is the distribution's mean, `sigma` the log-space std.
     empirical: a dataset's length table (simengine/workload/datasets.py) rescaled so the clipped sample has `mean`
     (the table's own mean when `mean` is not given); `min`/`max` default to the table's bounds."""
 
     dist: Literal["constant", "uniform", "lognormal", "normal", "exponential", "empirical"] = "constant"
-    value: float | None = None   # constant
-    mean: float | None = None    # lognormal, normal, exponential
-    sigma: float | None = None   # lognormal (log space), normal
-    low: float | None = None     # uniform
-    high: float | None = None    # uniform (inclusive for integers)
-    min: float | None = None     # clip after sampling
-    max: float | None = None
+    value: Magnitude | None = None   # constant
+    mean: Magnitude | None = None    # lognormal, normal, exponential
+    sigma: Annotated[float, Range(0, 10)] | None = None   # lognormal (log space), normal
+    low: Magnitude | None = None     # uniform
+    high: Magnitude | None = None    # uniform (inclusive for integers)
+    min: Magnitude | None = None     # clip after sampling
+    max: Magnitude | None = None
     table: str | None = None     # empirical: a table name in simengine/workload/datasets.py (e.g. sharegpt_input)
 
     def __post_init__(self):
+        super().__post_init__()
         need = {"constant": ("value",), "uniform": ("low", "high"), "lognormal": ("mean", "sigma"),
                 "normal": ("mean", "sigma"), "exponential": ("mean",), "empirical": ()}[self.dist]
         for k in need:
-            v = getattr(self, k)
-            if v is None:
+            if getattr(self, k) is None:
                 raise InputError(f"{self.dist} needs '{k}'", field=k)
-            if not math.isfinite(v) or v < 0:
-                raise InputError(f"must be a finite number >= 0, got {v}", field=k)
         if self.dist == "uniform" and self.low > self.high:
             raise InputError(f"low {self.low} > high {self.high}", field="low")
         if self.min is not None and self.max is not None and self.min > self.max:
@@ -89,3 +91,15 @@ class Dist:
         if n is None:
             return max(int(round(x)), at_least)
         return np.maximum(np.rint(x).astype(np.int64), at_least)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenDist(Dist):
+    """A distribution of token lengths: every value it names is at least one token and at most MAX_TOKENS."""
+
+    value: TokenCount | None = None
+    mean: TokenCount | None = None
+    low: TokenCount | None = None
+    high: TokenCount | None = None
+    min: TokenCount | None = None
+    max: TokenCount | None = None

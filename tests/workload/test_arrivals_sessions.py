@@ -43,7 +43,7 @@ def test_ramp_and_diurnal_follow_their_curves():
 
 
 def test_bad_arrival_values_name_the_field():
-    with pytest.raises(InputError, match="workload.arrival.rate"):
+    with pytest.raises(InputError, match="rate: must be in"):
         ArrivalConfig(process="poisson", rate=-1.0)
     with pytest.raises(InputError, match="burstiness"):
         ArrivalConfig(process="gamma", rate=1.0, burstiness=0.0)
