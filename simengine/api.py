@@ -36,11 +36,13 @@ class EngineResult:
     cost_model: str = ""          # which step-time model priced the run (measured kernels, fallbacks, roofline)
 
 
-def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False) -> EngineResult:
-    """Simulate one engine on the scenario's request stream."""
+def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False,
+               deadline: float | None = None) -> EngineResult:
+    """Simulate one engine on the scenario's request stream; with `deadline` (a time.monotonic() value) the run
+    stops there and its summary says `partial: true`."""
     t0 = time.perf_counter()
     runner = Runner(scenario, entry, check_invariants=check_invariants)
-    res = runner.run()
+    res = runner.run(deadline=deadline)
     req = requests_frame(res.recorder)
     steps = steps_frame(res.recorder)
     itl, counts = itl_arrays(res.recorder)
@@ -52,14 +54,17 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                         prefix_hit_rate=float(np.mean(hits)) if hits else 0.0, horizon_s=scenario.horizon_s,
                         replicas=scenario.deployment.replicas, classes=scenario.workload.classes)
     summary = {"engine": entry.engine, "label": entry.display, **summary,
-               "kv_capacity_tokens": res.engines[0].kv_capacity_tokens()}
+               "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}
     return EngineResult(entry.display, summary, req, steps, itl, counts, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe())
 
 
-def compare(scenario: Scenario, engines: list[EngineEntry] | None = None, **kw) -> dict[str, EngineResult]:
-    """Every engine on the identical request stream (same seed)."""
-    return {e.display: run_engine(scenario, e, **kw) for e in (engines or scenario.engines)}
+def compare(scenario: Scenario, engines: list[EngineEntry] | None = None, *, max_wall_s: float | None = None,
+            **kw) -> dict[str, EngineResult]:
+    """Every engine on the identical request stream (same seed). `max_wall_s` bounds the whole comparison's wall
+    time: an engine still running then stops where it is, later ones simulate nothing; both are marked partial."""
+    deadline = None if max_wall_s is None else time.monotonic() + max_wall_s
+    return {e.display: run_engine(scenario, e, deadline=deadline, **kw) for e in (engines or scenario.engines)}
 
 
 def _jsonable(obj):
@@ -72,49 +77,64 @@ def _jsonable(obj):
     return obj
 
 
-def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path, plots_dir: Path,
-                  *, make_plots: bool = True) -> list[Path]:
-    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml} and
-    plots/<scenario>/*.png. Files are written to a temporary folder and moved in place at the end, so a
-    failure leaves nothing half-written."""
-    from simengine.report import plots
+def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path) -> Path:
+    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml}. The files
+    go to a hidden temporary folder that replaces the old one only when complete, so an interrupt or a failure
+    leaves either the previous results or the new ones, never a mix or a half-written file."""
+    from simengine.cost.measured import package_version
 
     final = out_dir / scenario.name
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{scenario.name}-", dir=final.parent))
-    written: list[Path] = []
+    old = final.with_name(f".{scenario.name}.old-{os.getpid()}")
     try:
-        config = yaml.safe_dump(_jsonable(scenario), sort_keys=False)
-        (tmp / "config.yaml").write_text(config)
+        (tmp / "config.yaml").write_text(yaml.safe_dump(_jsonable(scenario), sort_keys=False))
         for label, r in results.items():
             d = tmp / label
             d.mkdir()
             (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
             r.requests.to_csv(d / "requests.csv", index=False, float_format="%.6f")
             r.steps.to_csv(d / "steps.csv", index=False, float_format="%.6f")
-            from simengine.cost.measured import package_version
             (d / "run_info.json").write_text(json.dumps({"wall_seconds": round(r.wall_s, 3),
                                                          "python_pid": os.getpid(), "cost_model": r.cost_model,
-                                                         "aiconfigurator_core": package_version()},
-                                                        indent=2) + "\n")
+                                                         "aiconfigurator_core": package_version(),
+                                                         "partial": r.summary["partial"]}, indent=2) + "\n")
         if final.exists():
-            shutil.rmtree(final)
+            final.rename(old)       # two renames: at every instant the name holds a complete folder or none
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)       # interrupted between the renames: the previous results come back
         raise
-    written.append(final)
-    if make_plots:
-        pdir = plots_dir / scenario.name
-        pdir.mkdir(parents=True, exist_ok=True)
-        for label, r in results.items():
-            written.append(plots.latency_timeline(r.requests, f"{scenario.name} · {label}: TTFT and TPOT",
-                                                  pdir / f"{label}_latency_timeline.png"))
-            written.append(plots.kv_timeline(r.steps, f"{scenario.name} · {label}: KV cache and queues",
-                                             pdir / f"{label}_kv_timeline.png"))
-        written.append(plots.engines_grid({k: (v.requests, v.steps) for k, v in results.items()},
-                                          {k: v.summary for k, v in results.items()},
-                                          f"{scenario.name}: engines side by side "
-                                          f"({scenario.deployment.model} on {scenario.deployment.hardware})",
-                                          pdir / "engines_side_by_side.png"))
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir: Path) -> list[Path]:
+    """Draw plots/<scenario>/*.png; each figure is saved under a temporary name and renamed when complete."""
+    from simengine.report import plots
+
+    pdir = plots_dir / scenario.name
+    pdir.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for label, r in results.items():
+        jobs.append((plots.latency_timeline, (r.requests, f"{scenario.name} · {label}: TTFT and TPOT"),
+                     f"{label}_latency_timeline.png"))
+        jobs.append((plots.kv_timeline, (r.steps, f"{scenario.name} · {label}: KV cache and queues"),
+                     f"{label}_kv_timeline.png"))
+    jobs.append((plots.engines_grid, ({k: (v.requests, v.steps) for k, v in results.items()},
+                                      {k: v.summary for k, v in results.items()},
+                                      f"{scenario.name}: engines side by side "
+                                      f"({scenario.deployment.model} on {scenario.deployment.hardware})"),
+                 "engines_side_by_side.png"))
+    written = []
+    for draw, args, name in jobs:
+        tmp = pdir / f".{name}.tmp.png"
+        try:
+            draw(*args, tmp)
+            os.replace(tmp, pdir / name)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(pdir / name)
     return written

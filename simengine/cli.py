@@ -1,8 +1,10 @@
-"""`simengine run|compare|list`: parse, call, print. Exit 0 ok, 2 bad input (one line), 1 internal error."""
+"""`simengine run|compare|list`: parse, call, print. Exit 0 ok, 2 bad input (one line), 1 internal error,
+130 interrupted (Ctrl-C or SIGTERM; one line saying what was kept)."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="override a scenario field, e.g. --set workload.arrival.rate=4")
         s.add_argument("--no-plots", action="store_true", help="skip figures")
+        s.add_argument("--max-wall-s", type=float, metavar="SECONDS",
+                       help="stop simulating after this many wall-clock seconds; results so far are written and "
+                            "marked partial")
     from simengine.validate.cli import add_subcommands
     add_subcommands(sub)
     ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
@@ -50,21 +55,34 @@ def _engines_arg(text: str | None, scenario):
 
 
 def cmd_run(args) -> int:
-    from simengine.api import compare, write_results
+    from simengine.api import compare, write_plots, write_results
     from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.report.tables import format_table
     from simengine.sim.runner import build_deployment, build_engine
 
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario)
+    if args.max_wall_s is not None and not 0 < args.max_wall_s < 1e9:
+        raise InputError(f"must be a number of seconds > 0, got {args.max_wall_s:g}", field="--max-wall-s")
+    out = Path(args.out) / scenario.name
+    _progress.update(kept=f"nothing: the simulation was running ({out} is as it was)")
     try:
         dep = build_deployment(scenario)
         for e in engines:  # validate every engine before running any (no half-written results)
             build_engine(e, dep)
-        results = compare(scenario, engines)   # a trace or prompt the run refuses: nothing is written either
+        results = compare(scenario, engines, max_wall_s=args.max_wall_s)  # a trace or prompt it refuses: no write
     except InputError as exc:  # name the scenario file the bad value came from
         raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
-    written = write_results(scenario, results, Path(args.out), Path(args.plots), make_plots=not args.no_plots)
+    _progress.update(kept=f"nothing new: results were being written ({out} is as it was)")
+    written = [write_results(scenario, results, Path(args.out))]
+    _progress.update(kept=f"{out}/ (complete); some figures under {Path(args.plots) / scenario.name}/ may be "
+                          "missing or from an earlier run")
+    if not args.no_plots:
+        written += write_plots(scenario, results, Path(args.plots))
+    partial = [k for k, r in results.items() if r.summary["partial"]]
+    if partial:
+        print(f"stopped at --max-wall-s {args.max_wall_s:g}: {', '.join(partial)} did not finish; their results "
+              "are marked partial (summary.json partial: true)", file=sys.stderr)
     d = scenario.deployment
     print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "
           f"seed {scenario.seed}")
@@ -109,7 +127,19 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+_progress = {"kept": "nothing"}   # what an interrupt at this point leaves behind, said in its message
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt   # SIGTERM unwinds like Ctrl-C: temporary files are removed, the message is printed
+
+
 def main(argv: list[str] | None = None) -> int:
+    _progress.update(kept="nothing")
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:   # not the main thread (an embedding application): leave its handlers alone
+        previous = None
     try:
         args = _parser().parse_args(argv)
         if args.command in ("run", "compare"):
@@ -121,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simengine: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
+        print(f"simengine: interrupted; kept: {_progress['kept']}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and closed early: not an error
         sys.stderr.close()
@@ -130,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"simengine: internal error: {exc.__class__.__name__}: {exc} (please report)", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import simpy
@@ -102,6 +103,7 @@ class RunResult:
     recorder: Recorder
     end_s: float
     engines: list[EnginePolicy] = field(default_factory=list)
+    partial: bool = False       # stopped at a wall-clock deadline before the run's end
 
     @property
     def label(self) -> str:
@@ -270,15 +272,29 @@ class Runner:
             self.sources_open = 1
             self.env.process(self._open_loop())
 
-    def run(self) -> RunResult:
+    def run(self, deadline: float | None = None) -> RunResult:
+        """Simulate to the end (every request done, or horizon + drain); with `deadline` (a time.monotonic()
+        value) stop there instead, the run marked partial and what is in flight recorded as unfinished."""
         self.start_sources()
         limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
-        self.env.run(until=self.env.any_of([self.all_done, limit]))
+        end = self.env.any_of([self.all_done, limit])
+        partial = False
+        if deadline is None:
+            self.env.run(until=end)
+        else:   # the wall clock is read here only, every 4096 events, never by a policy
+            while not end.processed and self.env.peek() != simpy.core.Infinity:
+                if time.monotonic() >= deadline:
+                    partial = True
+                    break
+                for _ in range(4096):
+                    if end.processed or self.env.peek() == simpy.core.Infinity:
+                        break
+                    self.env.step()
         for eng in self.engines:
             eng.sync()
         for req in sorted(self.live.values(), key=lambda r: r.request_id):
             self.recorder.request(req, -1, "unfinished")
-        return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines)
+        return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial)
 
 
 def simulate(scenario: Scenario, entry: EngineEntry | None = None, *, check_invariants: bool = False) -> RunResult:

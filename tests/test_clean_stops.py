@@ -1,0 +1,92 @@
+"""Runs that stop cleanly: Ctrl-C or SIGTERM mid-run leaves no half-written file and says what was kept; an
+interrupt while writing keeps the previous results whole; --max-wall-s stops with results marked partial."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from simengine.api import compare, write_plots, write_results
+from tests.conftest import make_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_run_writes_nothing_and_says_so(tmp_path, sig):
+    out, plots = tmp_path / "results", tmp_path / "plots"
+    p = subprocess.Popen([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--out", str(out),
+                          "--plots", str(plots)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(10)                      # past the imports and validation (~3 s): simulating the first engines
+    p.send_signal(sig)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("simengine: interrupted; kept: nothing"), stderr
+    assert "Traceback" not in stderr
+    assert _files(out) == [] and _files(plots) == []
+
+
+def _results():
+    sc = make_scenario(engines=["vllm"], horizon_s=5.0)
+    return sc, compare(sc)
+
+
+def test_an_interrupt_while_writing_keeps_the_previous_results_whole(tmp_path, monkeypatch):
+    sc, res = _results()
+    first = write_results(sc, res, tmp_path)
+    before = {f: (first / f).read_bytes() for f in _files(first) if (first / f).is_file()}
+    calls = []
+
+    def to_csv_then_interrupt(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:             # requests.csv written, steps.csv not
+            raise KeyboardInterrupt
+        return original(self, *a, **k)
+    original = pd.DataFrame.to_csv
+    monkeypatch.setattr(pd.DataFrame, "to_csv", to_csv_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_results(sc, res, tmp_path)
+    assert {f: (first / f).read_bytes() for f in _files(first) if (first / f).is_file()} == before
+    assert [p.name for p in tmp_path.iterdir()] == [sc.name]     # no temporary folder left behind
+
+
+def test_an_interrupt_while_drawing_leaves_no_partial_figure(tmp_path, monkeypatch):
+    from simengine.report import plots
+    sc, res = _results()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(plots, "kv_timeline", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_plots(sc, res, tmp_path)
+    assert _files(tmp_path / sc.name) == ["vllm_latency_timeline.png"]   # complete, under its final name
+
+
+def test_max_wall_s_stops_with_results_marked_partial(tmp_path):
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--engines", "vllm,sglang",
+                        "--out", str(out), "--no-plots", "--max-wall-s", "0.5"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--max-wall-s 0.5" in r.stderr and "partial" in r.stderr
+    for label in ("vllm", "sglang"):
+        s = json.loads((out / "agent_multiturn" / label / "summary.json").read_text())
+        assert s["partial"] is True
+        assert json.loads((out / "agent_multiturn" / label / "run_info.json").read_text())["partial"] is True
+
+
+def test_a_run_that_finishes_is_not_partial():
+    _, res = _results()
+    assert res["vllm"].summary["partial"] is False
