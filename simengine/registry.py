@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from simengine.errors import InputError, unknown_name
+from simengine.errors import unknown_name
 
 T = TypeVar("T")
 
@@ -34,14 +33,3 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return list(self._items)
-
-    def load_plugin(self, spec: str) -> type[T]:
-        """Import an out-of-tree plugin given as 'module:Class' (only from an explicit option)."""
-        if ":" not in spec:
-            raise InputError(f"plugin '{spec}' must be written module:Class", field="--plugin")
-        mod, _, attr = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as exc:
-            raise InputError(f"cannot import plugin '{spec}' ({exc})", field="--plugin") from None
-        return cls

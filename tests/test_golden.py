@@ -19,11 +19,11 @@ from simengine.config.hardware import load_hardware
 from simengine.config.loader import from_dict
 from simengine.config.scenario import Scenario, load_scenario
 from simengine.cost.measured import data_root
+from simengine.engines import ENGINES as REGISTRY
 
 GOLDEN = Path(__file__).parent / "golden" / "summaries.json"
 REGEN = os.environ.get("SIMENGINE_REGEN_GOLDEN") == "1"
-ENGINES = ["vllm", "sglang", "tgi", "lmdeploy", "trtllm", "mlc", "llamacpp", "static", "orca", "sarathi",
-           "generic"]
+ENGINES = REGISTRY.names()   # every registered engine: a new one gets its goldens with the next regeneration
 
 
 def stress(engine: str) -> Scenario:

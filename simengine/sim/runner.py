@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -302,6 +301,3 @@ def simulate(scenario: Scenario, entry: EngineEntry | None = None, *, check_inva
     entry = entry or scenario.engines[0]
     return Runner(scenario, entry, check_invariants=check_invariants).run()
 
-
-def with_engine_params(entry: EngineEntry, **params) -> EngineEntry:
-    return dataclasses.replace(entry, params={**entry.params, **params})

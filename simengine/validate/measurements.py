@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from simengine.engines import ENGINES
 from simengine.errors import InputError
 
 COLUMNS = ("id", "source", "engine", "model", "weight_dtype", "kv_dtype", "hardware", "num_gpus", "tp", "pp",
            "input_len", "output_len", "num_requests", "arrival", "metric", "value", "notes")
-ENGINES = ("vllm", "sglang", "tgi", "lmdeploy", "trtllm", "mlc", "llamacpp", "unknown")
 RATE_METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput")
 STEP_METRICS = ("prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
 # Latency statistics as `vllm bench serve` names them (../shared/reference/metrics.md): STAT_QUANTITY_ms
@@ -143,8 +143,9 @@ def parse_row(fields: list[str], where: str, line: int) -> Measurement:
     raw = dict(zip(COLUMNS, (f.strip() for f in fields), strict=True))
     if not _ID.match(raw["id"]):
         raise InputError(f"'{raw['id']}' must match [a-z0-9_.-]+", source=where, field="id")
-    if raw["engine"] not in ENGINES:
-        raise InputError(f"'{raw['engine']}' is not one of {', '.join(ENGINES)}", source=where, field="engine")
+    engines = (*ENGINES.names(), "unknown")   # the registered engines; `unknown` runs the generic one
+    if raw["engine"] not in engines:
+        raise InputError(f"'{raw['engine']}' is not one of {', '.join(engines)}", source=where, field="engine")
     if raw["metric"] not in METRICS:
         raise InputError(f"'{raw['metric']}' is not one of {', '.join(METRICS)}", source=where, field="metric")
     for col in ("model", "weight_dtype", "kv_dtype", "hardware"):
