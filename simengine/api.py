@@ -34,6 +34,7 @@ class EngineResult:
     wall_s: float
     kv_capacity_tokens: int
     cost_model: str = ""          # which step-time model priced the run (measured kernels, fallbacks, roofline)
+    down: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # replica failures (from, to)
 
 
 def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False,
@@ -55,8 +56,10 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                         replicas=scenario.deployment.replicas, classes=scenario.workload.classes)
     summary = {"engine": entry.engine, "label": entry.display, **summary,
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}
+    if res.faults is not None:
+        summary["faults"] = res.faults
     return EngineResult(entry.display, summary, req, steps, itl, counts, time.perf_counter() - t0,
-                        res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe())
+                        res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down)
 
 
 def compare(scenario: Scenario, engines: list[EngineEntry] | None = None, *, max_wall_s: float | None = None,
@@ -119,7 +122,7 @@ def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir:
     pdir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for label, r in results.items():
-        jobs.append((plots.latency_timeline, (r.requests, f"{scenario.name} · {label}: TTFT and TPOT"),
+        jobs.append((plots.latency_timeline, (r.requests, f"{scenario.name} · {label}: TTFT and TPOT", r.down),
                      f"{label}_latency_timeline.png"))
         jobs.append((plots.kv_timeline, (r.steps, f"{scenario.name} · {label}: KV cache and queues"),
                      f"{label}_kv_timeline.png"))

@@ -87,6 +87,10 @@ def cmd_run(args) -> int:
     print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "
           f"seed {scenario.seed}")
     print(format_table({k: v.summary for k, v in results.items()}))
+    for label, r in results.items():
+        if (f := r.summary.get("faults")) is not None:
+            print(f"{label}: {f['failures']} replica failure(s), {f['retries']} request(s) resent, "
+                  f"{f['failed_by_fault']} failed by them, availability {100 * f['availability']:.1f}%")
     print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
                                                              else ""))
     return EXIT_OK

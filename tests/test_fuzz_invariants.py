@@ -124,6 +124,14 @@ def scenarios(draw, engine: str | None = None):
             "deployment": {"hardware": hardware, "model": model, "replicas": draw(st.sampled_from([1, 1, 2])),
                            "router": draw(st.sampled_from(["least_loaded", "round_robin"]))},
             "workload": workload, "engines": [engine]}
+    failures = draw(st.sampled_from([None, None, "stated", "random"]))   # replica failures (deployment.failures)
+    if failures == "stated":
+        data["deployment"]["failures"] = {"at": [{"time_s": draw(st.sampled_from([0.0, 0.5, 3.0])), "replica": 0,
+                                                  "down_s": draw(st.sampled_from([0.2, 4.0]))}],
+                                          "max_retries": draw(st.sampled_from([0, 1, 3]))}
+    elif failures == "random":
+        data["deployment"]["failures"] = {"mtbf_s": draw(st.sampled_from([0.5, 5.0])), "mttr_s": 0.5,
+                                          "max_retries": draw(st.sampled_from([0, 2]))}
     kv_tokens = draw(st.sampled_from([0, 600, 2500, 9000, 40000]))  # 0: the engine's own sizing
     caps = {"batch": draw(st.sampled_from([None, 1, 3, 16])), "tokens": draw(st.sampled_from([None, 64, 512, 4096]))}
     return engine, data, kv_tokens, caps
@@ -198,6 +206,10 @@ def run_checked(sc: Scenario) -> tuple[api.EngineResult, TrackingRunner]:
 
 # ---- the checks ----------------------------------------------------------------------------------------------
 
+def sc_retries(runner: TrackingRunner) -> int:
+    return runner.scenario.deployment.failures.max_retries
+
+
 def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
     req, steps, s = res.requests, res.steps, res.summary
     end = runner.env.now
@@ -211,9 +223,14 @@ def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
     assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"]
     left = req["status"] != "unfinished"
     assert set(req.loc[left, "request_id"]) == set(runner.departures), "departures and finished rows differ"
-    # end state: engines hold exactly the unfinished requests; nothing else holds KV
+    # end state: engines hold exactly the unfinished requests (but those waiting for a failed replica to come
+    # back); nothing else holds KV; a retried request is counted once
     held = sum(e.num_running() + e.num_waiting() for e in runner.engines)
-    assert held == s["unfinished"], (held, s["unfinished"])
+    assert held + len(runner.pending) == s["unfinished"], (held, len(runner.pending), s["unfinished"])
+    if "faults" in s:
+        f = s["faults"]
+        assert f["failed_by_fault"] <= s["failed"] and 0.0 <= f["availability"] <= 1.0
+        assert f["retries"] <= f["failures"] * len(req) * sc_retries(runner)
     for e in runner.engines:
         e.check_invariants()
         if not (e.num_running() or e.num_waiting()):

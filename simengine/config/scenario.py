@@ -25,6 +25,28 @@ Devices = Annotated[int, Range(1, 1024, unit="devices")]
 
 
 @dataclass(frozen=True, kw_only=True)
+class FailureAt(Checked):
+    """One stated failure: replica `replica` goes down at `time_s` for `down_s` seconds."""
+
+    time_s: SimSeconds
+    replica: Annotated[int, Range(0, 1023)] = 0
+    down_s: Annotated[float, Range(0, 1e9, above=True, unit="seconds")] = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig(Checked):
+    """Replica failures (docs/scenarios.md 'Failures'): stated ones (`at`) and/or a random process per replica
+    (exponential times between failures with mean `mtbf_s`, to repair with mean `mttr_s`). A failed replica loses
+    its KV cache and every request it holds; each is resent to another replica up to `max_retries` times (its TTFT
+    and E2E keep counting from the first send), then fails; the router sends nothing to a replica that is down."""
+
+    mtbf_s: Annotated[float, Range(0, 1e12, above=True, unit="seconds")] | None = None
+    mttr_s: Annotated[float, Range(0, 1e9, above=True, unit="seconds")] = 60.0
+    at: list[FailureAt] = field(default_factory=list)
+    max_retries: Annotated[int, Range(0, 100, unit="retries")] = 1
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeploymentConfig(Checked):
     """What serves the workload: `replicas` copies of `model` on tp x pp devices of `hardware`."""
 
@@ -39,11 +61,16 @@ class DeploymentConfig(Checked):
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
+    failures: FailureConfig | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.router not in ("least_loaded", "round_robin"):
             raise unknown_name("router", self.router, ("least_loaded", "round_robin"), field="deployment.router")
+        for i, f in enumerate(self.failures.at if self.failures else []):
+            if f.replica >= self.replicas:
+                raise InputError(f"replica {f.replica} does not exist: the deployment has {self.replicas} "
+                                 f"(0..{self.replicas - 1})", field=f"deployment.failures.at[{i}].replica")
 
 
 @dataclass(frozen=True, kw_only=True)

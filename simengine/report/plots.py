@@ -17,8 +17,9 @@ def _rolling(df: pd.DataFrame, col: str, q: float) -> pd.Series:
     return df[col].rolling(window, min_periods=1, center=True).quantile(q)
 
 
-def latency_timeline(requests: pd.DataFrame, title: str, path: Path) -> Path:
-    """TTFT and TPOT of each completed request at its arrival time, with rolling p50 and p99."""
+def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, float, float]], path: Path) -> Path:
+    """TTFT and TPOT of each completed request at its arrival time, with rolling p50 and p99; replica failures
+    (replica, from, to) shaded."""
     done = requests[requests["status"] == "completed"].sort_values("arrival_s")
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for ax, col, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms/token)")):
@@ -29,6 +30,8 @@ def latency_timeline(requests: pd.DataFrame, title: str, path: Path) -> Path:
             ax.plot(d["arrival_s"], _rolling(d, col, 0.99), color="tab:red", label="rolling p99")
         ax.set_ylabel(label)
         ax.set_yscale("log") if len(d) and d[col].min() > 0 else None
+        for k, (_replica, start, end) in enumerate(down):
+            ax.axvspan(start, end, color="tab:gray", alpha=0.2, label="replica down" if k == 0 else None)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     axes[1].set_xlabel("arrival time (s)")

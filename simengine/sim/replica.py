@@ -40,6 +40,12 @@ class Replica:
             self._wake.succeed()
 
     def run(self):
+        try:
+            yield from self._loop()
+        except simpy.Interrupt:   # the replica failed: its step in flight and its engine are gone
+            return
+
+    def _loop(self):
         env = self.env
         while True:
             if not self.engine.has_work():

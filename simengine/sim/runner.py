@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import simpy
 
 from simengine.config.dtypes import kv_bytes, weight_format
@@ -103,6 +104,8 @@ class RunResult:
     end_s: float
     engines: list[EnginePolicy] = field(default_factory=list)
     partial: bool = False       # stopped at a wall-clock deadline before the run's end
+    faults: dict | None = None  # with deployment.failures: failures, retries, requests failed by them, availability
+    down: list[tuple[int, float, float]] = field(default_factory=list)  # (replica, down at, back up at) per failure
 
     @property
     def label(self) -> str:
@@ -133,6 +136,15 @@ class Runner:
         self.sources_open = 0
         self.all_done = self.env.event()
         self._rr = 0
+        # replica failures (deployment.failures): which replica holds each live request, who is up, the requests
+        # waiting for any replica to come back, and the log
+        self.check_invariants = check_invariants
+        self.assigned: dict[int, int] = {}
+        self.up = [True] * len(self.replicas)
+        self.pending: list[Request] = []
+        self.retries: dict[int, int] = {}
+        self.down: list[list] = []
+        self.failed_by_fault = 0
 
     def _replica(self, i: int, eng: EnginePolicy, cost, check: bool) -> Replica:
         if self.dep.pp > 1 and eng.supports_pipeline_microbatches:
@@ -159,15 +171,96 @@ class Runner:
         self._route(req)
 
     def _route(self, req: Request) -> None:
+        up = [r for r in self.replicas if self.up[r.index]]
+        if not up:                  # every replica is down: the request waits for the first one back
+            self.pending.append(req)
+            return
         if self.scenario.deployment.router == "round_robin":
-            replica = self.replicas[self._rr % len(self.replicas)]
+            replica = up[self._rr % len(up)]
             self._rr += 1
         else:
-            replica = min(self.replicas, key=Replica.load)
+            replica = min(up, key=Replica.load)
+        self.assigned[req.request_id] = replica.index
         replica.submit(req)
+
+    # ---- failures -------------------------------------------------------------------------------------------
+    def _stated_failure(self, i: int, at_s: float, down_s: float):
+        yield self.env.timeout(max(at_s - self.env.now, 0.0))
+        yield from self._outage(i, down_s)
+
+    def _random_failures(self, i: int, rng):
+        cfg = self.scenario.deployment.failures
+        while True:
+            yield self.env.timeout(float(rng.exponential(cfg.mtbf_s)))
+            yield from self._outage(i, float(rng.exponential(cfg.mttr_s)))
+
+    def _outage(self, i: int, down_s: float):
+        """Replica i fails now: its step in flight, KV cache and requests are lost; it is back after down_s with a
+        fresh engine (an empty cache)."""
+        if not self.up[i]:          # already down (a stated failure during a random one): nothing more is lost
+            return
+        self.up[i] = False
+        log = [i, self.env.now, -1.0]
+        self.down.append(log)
+        old = self.replicas[i]
+        if old.process.is_alive:
+            old.process.interrupt()
+        old.engine.sync()       # lazily advanced counters (vLLM's decode cohort) as of the last completed step
+        engine = build_engine(self.entry, self.dep)   # what comes back: the failed engine and its cache are gone
+        self.engines[i] = engine
+        lost = sorted((self.live[rid] for rid, r in self.assigned.items() if r == i and rid in self.live),
+                      key=lambda q: q.request_id)
+        for rid in [rid for rid, r in self.assigned.items() if r == i]:
+            del self.assigned[rid]
+        for req in lost:
+            self._lost(req, i)
+        yield self.env.timeout(down_s)
+        wl = self.scenario.workload
+        self.replicas[i] = self._replica(i, engine, cost_model(engine, wl.structured_output.mask_s,
+                                                               kernels=self.scenario.deployment.cost_model),
+                                         self.check_invariants)
+        self.up[i] = True
+        log[2] = self.env.now
+        pending, self.pending = self.pending, []
+        for req in pending:
+            self._route(req)
+
+    def _lost(self, req: Request, i: int) -> None:
+        """A request the failed replica held: resent (a fresh copy, same id and send time) or failed."""
+        n = self.retries.get(req.request_id, 0)
+        if n < self.scenario.deployment.failures.max_retries:
+            self.retries[req.request_id] = n + 1
+            fresh = resend(req)
+            self.live[req.request_id] = fresh
+            self._route(fresh)
+            return
+        req.status = Status.FAILED
+        req.fail_reason = f"replica {i} failed" + (f" (after {n} retries)" if n else "")
+        req.finish_s = self.env.now
+        self.failed_by_fault += 1
+        self._on_done(req, i)
+
+    def start_failures(self) -> None:
+        cfg = self.scenario.deployment.failures
+        if cfg is None:
+            return
+        for f in cfg.at:
+            self.env.process(self._stated_failure(f.replica, f.time_s, f.down_s))
+        if cfg.mtbf_s is not None:
+            for i in range(len(self.replicas)):   # each replica its own stream, derived from the seed
+                self.env.process(self._random_failures(i, np.random.default_rng([self.scenario.seed, 7919, i])))
+
+    def fault_summary(self, end_s: float) -> dict | None:
+        if self.scenario.deployment.failures is None:
+            return None
+        down_s = sum((up if up >= 0 else end_s) - at for _, at, up in self.down)
+        return {"failures": len(self.down), "retries": sum(self.retries.values()),
+                "failed_by_fault": self.failed_by_fault,
+                "availability": 1.0 - down_s / (len(self.replicas) * end_s) if end_s > 0 else 1.0}
 
     def _on_done(self, req: Request, replica: int) -> None:
         self.live.pop(req.request_id, None)
+        self.assigned.pop(req.request_id, None)
         if req.status is Status.FAILED and req.finish_s < 0:
             req.finish_s = self.env.now  # when the engine refused it: requests.csv's finish_s of a failed row
         self.recorder.finished(req, replica)
@@ -275,6 +368,7 @@ class Runner:
         """Simulate to the end (every request done, or horizon + drain); with `deadline` (a time.monotonic()
         value) stop there instead, the run marked partial and what is in flight recorded as unfinished."""
         self.start_sources()
+        self.start_failures()
         limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
         end = self.env.any_of([self.all_done, limit])
         partial = False
@@ -293,7 +387,17 @@ class Runner:
             eng.sync()
         for req in sorted(self.live.values(), key=lambda r: r.request_id):
             self.recorder.request(req, -1, "unfinished")
-        return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial)
+        return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
+                         self.fault_summary(self.env.now),
+                         [(i, at, up if up >= 0 else self.env.now) for i, at, up in self.down])
+
+
+def resend(req: Request) -> Request:
+    """The client's retry of a request a failed replica lost: the same id, send time and tokens, nothing computed."""
+    return Request(req.request_id, req.arrival_s, req.token_ids, req.prompt_len, req.output_len,
+                   max_tokens=req.max_tokens, priority=req.priority, session_id=req.session_id, turn=req.turn,
+                   slo_class=req.slo_class, structured=req.structured, unique_outputs=req.unique_outputs,
+                   private_from=req.private_from)
 
 
 def simulate(scenario: Scenario, entry: EngineEntry | None = None, *, check_invariants: bool = False) -> RunResult:
