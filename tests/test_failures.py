@@ -69,3 +69,14 @@ def test_random_failures_are_drawn_from_the_seed():
 def test_a_failure_of_a_replica_that_does_not_exist_is_refused():
     with pytest.raises(InputError, match=r"failures.at\[0\].replica: replica 2 does not exist"):
         load_scenario("bursty_traffic", ["deployment.failures={at: [{time_s: 1, replica: 2}]}"])
+
+
+def test_a_pipelined_replica_stops_every_micro_batch_lane_when_it_fails():
+    sc = make_scenario(engines=["vllm"], deployment__replicas=2, deployment__pp=2, horizon_s=20.0,
+                       deployment__failures={"at": [{"time_s": 6.0, "replica": 0, "down_s": 5.0}]},
+                       workload__arrival={"process": "poisson", "rate": 8.0})
+    r = run_engine(sc, sc.engines[0], check_invariants=True)
+    _conserved(r)
+    assert r.summary["failed"] == 0 and r.summary["faults"]["retries"] > 0
+    steps = r.steps[r.steps["replica"] == 0]
+    assert not ((steps["end_s"] > 6.0) & (steps["start_s"] < 11.0)).any()

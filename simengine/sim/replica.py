@@ -39,10 +39,15 @@ class Replica:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
+    def stop(self) -> None:
+        """The replica failed: its processes end where they are (a step in flight is lost with the engine)."""
+        if self.process.is_alive:
+            self.process.interrupt()
+
     def run(self):
         try:
             yield from self._loop()
-        except simpy.Interrupt:   # the replica failed: its step in flight and its engine are gone
+        except simpy.Interrupt:   # stop(): the step in flight and the engine are gone
             return
 
     def _loop(self):
@@ -168,11 +173,21 @@ class PipelinedReplica(Replica):
         self._notify()
 
     def run(self):
-        for _ in range(self.stages):
-            self.env.process(self._lane())
+        self.lanes = [self.env.process(self._lane()) for _ in range(self.stages)]
         yield self.env.timeout(0)
 
+    def stop(self) -> None:
+        for lane in getattr(self, "lanes", ()):
+            if lane.is_alive:
+                lane.interrupt()
+
     def _lane(self):
+        try:
+            yield from self._lane_loop()
+        except simpy.Interrupt:   # stop(): the micro-batches in flight are lost with the engine
+            return
+
+    def _lane_loop(self):
         env, engine = self.env, self.engine
         while True:
             out = engine.schedule(env.now) if engine.has_work() else None

@@ -203,8 +203,7 @@ class Runner:
         log = [i, self.env.now, -1.0]
         self.down.append(log)
         old = self.replicas[i]
-        if old.process.is_alive:
-            old.process.interrupt()
+        old.stop()
         old.engine.sync()       # lazily advanced counters (vLLM's decode cohort) as of the last completed step
         engine = build_engine(self.entry, self.dep)   # what comes back: the failed engine and its cache are gone
         self.engines[i] = engine
