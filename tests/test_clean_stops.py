@@ -4,6 +4,7 @@ interrupt while writing keeps the previous results whole; --max-wall-s stops wit
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,21 @@ from tests.conftest import make_scenario
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _wait_for_cpu(pid: int, seconds: float, timeout_s: float = 120.0) -> None:
+    """Until process `pid` has used `seconds` of CPU (a wall-clock sleep misfires on a loaded machine)."""
+    stat = Path(f"/proc/{pid}/stat")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not stat.exists():
+            time.sleep(max(seconds, 10.0))  # no /proc (not Linux): fall back to waiting
+            return
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= seconds:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run used under {seconds} s of CPU in {timeout_s} s")
+
+
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
 
@@ -28,7 +44,7 @@ def test_a_signal_mid_run_writes_nothing_and_says_so(tmp_path, sig):
     out, plots = tmp_path / "results", tmp_path / "plots"
     p = subprocess.Popen([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--out", str(out),
                           "--plots", str(plots)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(10)                      # past the imports and validation (~3 s): simulating the first engines
+    _wait_for_cpu(p.pid, 6.0)           # past the imports and validation (~3 s of CPU): simulating
     p.send_signal(sig)
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 130, stderr

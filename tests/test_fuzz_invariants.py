@@ -206,10 +206,6 @@ def run_checked(sc: Scenario) -> tuple[api.EngineResult, TrackingRunner]:
 
 # ---- the checks ----------------------------------------------------------------------------------------------
 
-def sc_retries(runner: TrackingRunner) -> int:
-    return runner.scenario.deployment.failures.max_retries
-
-
 def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
     req, steps, s = res.requests, res.steps, res.summary
     end = runner.env.now
@@ -230,7 +226,7 @@ def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
     if "faults" in s:
         f = s["faults"]
         assert f["failed_by_fault"] <= s["failed"] and 0.0 <= f["availability"] <= 1.0
-        assert f["retries"] <= f["failures"] * len(req) * sc_retries(runner)
+        assert f["retries"] <= f["failures"] * len(req) * runner.scenario.deployment.failures.max_retries
     for e in runner.engines:
         e.check_invariants()
         if not (e.num_running() or e.num_waiting()):

@@ -71,9 +71,8 @@ class Checked:
             if isinstance(value, int | float):
                 if (r := range_of(tp)) is not None:
                     r.check(value, source=None, field=name)
-            elif isinstance(value, tuple | list):
-                item = next((a for a in get_args(tp) if range_of(a) is not None), None)
-                r = range_of(item) if item is not None else None
+            elif isinstance(value, tuple | list):   # a range on the item type: tuple[Annotated[int, Range], ...]
+                r = next((r for a in get_args(tp) if (r := range_of(a)) is not None), None)
                 for i, v in enumerate(value):
                     if r is not None and isinstance(v, int | float) and not isinstance(v, bool):
                         r.check(v, source=None, field=f"{name}[{i}]")
@@ -301,17 +300,6 @@ def _list_item(node: list, key: str, text: str) -> Any:
     if isinstance(node[i], str):  # an engine given by name: expand it so params can be set
         node[i] = {"engine": node[i]}
     return node[i]
-
-
-def check_positive(value: float | int, field: str, *, allow_zero: bool = False) -> None:
-    """Raise ValueError naming `field` unless value > 0 (or >= 0)."""
-    if value is None:
-        return
-    if isinstance(value, float) and math.isinf(value) and value > 0:
-        return
-    if (value < 0) or (value == 0 and not allow_zero):
-        need = ">= 0" if allow_zero else "> 0"
-        raise InputError(f"must be {need}, got {value}", field=field)
 
 
 def check_fraction(value: float, field: str) -> None:

@@ -143,7 +143,7 @@ class Runner:
         self.up = [True] * len(self.replicas)
         self.pending: list[Request] = []
         self.retries: dict[int, int] = {}
-        self.down: list[list] = []
+        self.down: list[list] = []      # [replica, down at, back up at or -1 while down]
         self.failed_by_fault = 0
 
     def _replica(self, i: int, eng: EnginePolicy, cost, check: bool) -> Replica:
@@ -171,7 +171,7 @@ class Runner:
         self._route(req)
 
     def _route(self, req: Request) -> None:
-        up = [r for r in self.replicas if self.up[r.index]]
+        up = self.replicas if all(self.up) else [r for r in self.replicas if self.up[r.index]]
         if not up:                  # every replica is down: the request waits for the first one back
             self.pending.append(req)
             return
@@ -207,12 +207,12 @@ class Runner:
         old.engine.sync()       # lazily advanced counters (vLLM's decode cohort) as of the last completed step
         engine = build_engine(self.entry, self.dep)   # what comes back: the failed engine and its cache are gone
         self.engines[i] = engine
-        lost = sorted((self.live[rid] for rid, r in self.assigned.items() if r == i and rid in self.live),
-                      key=lambda q: q.request_id)
-        for rid in [rid for rid, r in self.assigned.items() if r == i]:
+        held = sorted(rid for rid, r in self.assigned.items() if r == i)
+        for rid in held:
             del self.assigned[rid]
-        for req in lost:
-            self._lost(req, i)
+        for rid in held:
+            if rid in self.live:
+                self._lost(self.live[rid], i)
         yield self.env.timeout(down_s)
         wl = self.scenario.workload
         self.replicas[i] = self._replica(i, engine, cost_model(engine, wl.structured_output.mask_s,
@@ -249,10 +249,14 @@ class Runner:
             for i in range(len(self.replicas)):   # each replica its own stream, derived from the seed
                 self.env.process(self._random_failures(i, np.random.default_rng([self.scenario.seed, 7919, i])))
 
+    def down_intervals(self, end_s: float) -> list[tuple[int, float, float]]:
+        """(replica, down at, back up at) of every failure; one still down at the end runs to `end_s`."""
+        return [(i, at, up if up >= 0 else end_s) for i, at, up in self.down]
+
     def fault_summary(self, end_s: float) -> dict | None:
         if self.scenario.deployment.failures is None:
             return None
-        down_s = sum((up if up >= 0 else end_s) - at for _, at, up in self.down)
+        down_s = sum(up - at for _, at, up in self.down_intervals(end_s))
         return {"failures": len(self.down), "retries": sum(self.retries.values()),
                 "failed_by_fault": self.failed_by_fault,
                 "availability": 1.0 - down_s / (len(self.replicas) * end_s) if end_s > 0 else 1.0}
@@ -374,21 +378,19 @@ class Runner:
         if deadline is None:
             self.env.run(until=end)
         else:   # the wall clock is read here only, every 4096 events, never by a policy
+            events = 0
             while not end.processed and self.env.peek() != simpy.core.Infinity:
-                if time.monotonic() >= deadline:
+                if events % 4096 == 0 and time.monotonic() >= deadline:
                     partial = True
                     break
-                for _ in range(4096):
-                    if end.processed or self.env.peek() == simpy.core.Infinity:
-                        break
-                    self.env.step()
+                self.env.step()
+                events += 1
         for eng in self.engines:
             eng.sync()
         for req in sorted(self.live.values(), key=lambda r: r.request_id):
             self.recorder.request(req, -1, "unfinished")
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
-                         self.fault_summary(self.env.now),
-                         [(i, at, up if up >= 0 else self.env.now) for i, at, up in self.down])
+                         self.fault_summary(self.env.now), self.down_intervals(self.env.now))
 
 
 def resend(req: Request) -> Request:
