@@ -2,7 +2,8 @@
 
 Workload: ShareGPT-like (lognormal prompt and output lengths, means ~1000 and ~250 tokens) on Llama-3.1-8B /
 H100 with the vLLM policy at a rate that keeps the replica busy (90% of its measured offline throughput), at
-10k, 100k and 1M requests; every engine at 10k, with the default step-time model (measured kernels where the
+10k, 100k, 1M and 10M requests (past the recorder's memory budget the rows go to temporary files: the 10M run's
+peak RSS shows memory stays flat); every engine at 10k, with the default step-time model (measured kernels where the
 kernels extra is installed) and with the roofline alone (`deployment.cost_model: roofline`), to keep the measured
 model's cost on record; a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
@@ -67,8 +68,11 @@ def child(args) -> None:
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         if prof:
             write_profile(prof, args.profile_out, f"{args.child}, {args.n} requests at {args.rate} req/s")
+        spill = r.recorder.spill
+        on_disk = sum(f.stat().st_size for f in spill.path("x").parent.iterdir()) if spill.on_disk else 0
         out = {"seconds": secs, "cpu_seconds": cpu, "completed": r.summary["completed"],
-               "steps": r.summary["num_steps"], "request_throughput": r.summary["request_throughput"]}
+               "steps": r.summary["num_steps"], "request_throughput": r.summary["request_throughput"],
+               "rows_on_disk_mb": round(on_disk / 2**20, 1)}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(out))
 
@@ -101,7 +105,7 @@ def main() -> None:
     p.add_argument("--child")
     p.add_argument("--n", type=int, default=0)
     p.add_argument("--rate", type=float)
-    p.add_argument("--sizes", default="10000,100000,1000000")
+    p.add_argument("--sizes", default="10000,100000,1000000,10000000")
     p.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement up to 10k requests; the best counts")
     p.add_argument("--profile", type=int, metavar="N", help="profile the vLLM run at N requests and stop")
@@ -139,7 +143,9 @@ def main() -> None:
         "seconds_1m": round(runs[1000000]["seconds"], 3) if 1000000 in runs else None,
         "requests_per_s_10k": round(first / runs[first]["seconds"], 1),
         "steps_per_s_10k": round(runs[first]["steps"] / runs[first]["seconds"], 1),
+        "seconds_10m": round(runs[10_000_000]["seconds"], 3) if 10_000_000 in runs else None,
         "peak_rss_mb_1m": round(runs[1000000]["peak_rss_mb"], 1) if 1000000 in runs else None,
+        "peak_rss_mb_10m": round(runs[10_000_000]["peak_rss_mb"], 1) if 10_000_000 in runs else None,
         "peak_rss_mb": {str(n): round(r["peak_rss_mb"], 1) for n, r in runs.items()},
         "scaling_exponent": round(slope, 3),
         "ratio_10k_to_simpy_1m": round(runs[first]["seconds"] / simpy_1m, 3),
@@ -162,9 +168,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'measurement':34s} {'value':>12s}")
-    for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "requests_per_s_10k",
-              "steps_per_s_10k", "peak_rss_mb_1m", "scaling_exponent", "ratio_10k_to_simpy_1m", "cpu_seconds_10k",
-              "measured_kernels_installed", "worst_measured_to_roofline_10k"):
+    for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "seconds_10m", "requests_per_s_10k",
+              "steps_per_s_10k", "peak_rss_mb_1m", "peak_rss_mb_10m", "scaling_exponent", "ratio_10k_to_simpy_1m",
+              "cpu_seconds_10k", "measured_kernels_installed", "worst_measured_to_roofline_10k"):
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():
         print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm; "

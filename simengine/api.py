@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -16,25 +17,57 @@ import pandas as pd
 import yaml
 
 from simengine.config.scenario import EngineEntry, Scenario
-from simengine.metrics.frames import itl_arrays, requests_frame, steps_frame
+from simengine.metrics.frames import (
+    itl_arrays,
+    plot_requests,
+    plot_steps,
+    request_blocks,
+    requests_frame,
+    step_blocks,
+    steps_frame,
+)
+from simengine.metrics.recorder import Recorder
 from simengine.metrics.summary import summarize
 from simengine.sim.runner import Runner
+
+# Plots draw at most this many requests (every k-th by id beyond) and steps (time-binned means beyond): figures of
+# a ten-million-request run take the memory and time of a small one.
+PLOT_MAX_ROWS = 200_000
 
 
 @dataclass
 class EngineResult:
-    """One engine's frames and summary."""
+    """One engine's summary and recorded rows; the frames are built from the rows on first use (a long run's rows
+    may be on disk: results files and plots read them block by block instead)."""
 
     label: str
     summary: dict
-    requests: pd.DataFrame
-    steps: pd.DataFrame
-    itl_ms: np.ndarray
-    itl_counts: np.ndarray
+    recorder: Recorder
+    end_s: float
     wall_s: float
     kv_capacity_tokens: int
     cost_model: str = ""          # which step-time model priced the run (measured kernels, fallbacks, roofline)
     down: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # replica failures (from, to)
+
+    @cached_property
+    def requests(self) -> pd.DataFrame:
+        return requests_frame(self.recorder)
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        return steps_frame(self.recorder)
+
+    @cached_property
+    def _itl(self) -> tuple[np.ndarray, np.ndarray]:
+        return itl_arrays(self.recorder)
+
+    @property
+    def itl_ms(self) -> np.ndarray:
+        return self._itl[0]
+
+    @property
+    def itl_counts(self) -> np.ndarray:
+        return self._itl[1]
 
 
 def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False,
@@ -44,12 +77,9 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     t0 = time.perf_counter()
     runner = Runner(scenario, entry, check_invariants=check_invariants)
     res = runner.run(deadline=deadline)
-    req = requests_frame(res.recorder)
-    steps = steps_frame(res.recorder)
-    itl, counts = itl_arrays(res.recorder)
     dep = res.deployment
     hits = [e.prefix_hit_rate() for e in res.engines]
-    summary = summarize(req, steps, itl, counts, slo=scenario.slo, end_s=res.end_s,
+    summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s,
                         num_devices=dep.num_devices * scenario.deployment.replicas,
                         price_usd_per_hour=dep.hardware.price_usd_per_hour,
                         prefix_hit_rate=float(np.mean(hits)) if hits else 0.0, horizon_s=scenario.horizon_s,
@@ -58,7 +88,7 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}
     if res.faults is not None:
         summary["faults"] = res.faults
-    return EngineResult(entry.display, summary, req, steps, itl, counts, time.perf_counter() - t0,
+    return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down)
 
 
@@ -96,8 +126,8 @@ def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir:
             d = tmp / label
             d.mkdir()
             (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
-            r.requests.to_csv(d / "requests.csv", index=False, float_format="%.6f")
-            r.steps.to_csv(d / "steps.csv", index=False, float_format="%.6f")
+            _write_csv(request_blocks(r.recorder), d / "requests.csv")
+            _write_csv(step_blocks(r.recorder), d / "steps.csv")
             (d / "run_info.json").write_text(json.dumps({"wall_seconds": round(r.wall_s, 3),
                                                          "python_pid": os.getpid(), "cost_model": r.cost_model,
                                                          "aiconfigurator_core": package_version(),
@@ -114,19 +144,30 @@ def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir:
     return final
 
 
+def _write_csv(blocks, path: Path) -> None:
+    """One CSV from frames of the same columns, written block by block."""
+    with open(path, "w", newline="") as f:
+        for i, block in enumerate(blocks):
+            block.to_csv(f, index=False, header=i == 0, float_format="%.6f")
+
+
 def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir: Path) -> list[Path]:
     """Draw plots/<scenario>/*.png; each figure is saved under a temporary name and renamed when complete."""
     from simengine.report import plots
 
     pdir = plots_dir / scenario.name
     pdir.mkdir(parents=True, exist_ok=True)
-    jobs = []
+    jobs, frames = [], {}
     for label, r in results.items():
-        jobs.append((plots.latency_timeline, (r.requests, f"{scenario.name} · {label}: TTFT and TPOT", r.down),
+        req, every = plot_requests(r.recorder, PLOT_MAX_ROWS)
+        steps = plot_steps(r.recorder, r.end_s, PLOT_MAX_ROWS)
+        frames[label] = (req, steps)
+        sampled = f" (every {every}th request)" if every > 1 else ""
+        jobs.append((plots.latency_timeline, (req, f"{scenario.name} · {label}: TTFT and TPOT{sampled}", r.down),
                      f"{label}_latency_timeline.png"))
-        jobs.append((plots.kv_timeline, (r.steps, f"{scenario.name} · {label}: KV cache and queues"),
+        jobs.append((plots.kv_timeline, (steps, f"{scenario.name} · {label}: KV cache and queues"),
                      f"{label}_kv_timeline.png"))
-    jobs.append((plots.engines_grid, ({k: (v.requests, v.steps) for k, v in results.items()},
+    jobs.append((plots.engines_grid, (frames,
                                       {k: v.summary for k, v in results.items()},
                                       f"{scenario.name}: engines side by side "
                                       f"({scenario.deployment.model} on {scenario.deployment.hardware})"),

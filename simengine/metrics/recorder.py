@@ -1,19 +1,22 @@
-"""Append-only recording for the hot loop: compact typed columns (array module), no pandas here."""
+"""Append-only recording for the hot loop: compact typed columns (array module) flushed in chunks of numpy rows that
+stay in memory up to a budget and go to temporary files past it (metrics/chunks.py); no pandas here."""
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
 from simengine.core.request import Request, Status
+from simengine.metrics.chunks import Chunks, Spill, merged
 
-# (name, array typecode or "" for a Python list of strings)
+# (name, array typecode; "s" for a string, kept as a code into the recorder's `strings`)
 REQUEST_FIELDS = (
     ("request_id", "q"), ("replica", "q"), ("session_id", "q"), ("turn", "q"), ("priority", "q"),
     ("arrival_s", "d"), ("first_scheduled_s", "d"), ("first_token_s", "d"), ("finish_s", "d"),
     ("prompt_len", "q"), ("output_len", "q"), ("num_output_tokens", "q"), ("num_cached_tokens", "q"),
-    ("num_preemptions", "q"), ("status", ""), ("fail_reason", ""), ("slo_class", ""), ("structured", "b"),
+    ("num_preemptions", "q"), ("status", "s"), ("fail_reason", "s"), ("slo_class", "s"), ("structured", "b"),
 )
 STEP_FIELDS = (
     ("replica", "q"), ("start_s", "d"), ("end_s", "d"), ("batch_size", "q"), ("prefill_tokens", "q"),
@@ -23,56 +26,140 @@ STEP_FIELDS = (
 )
 REQUEST_COLUMNS = tuple(n for n, _ in REQUEST_FIELDS)
 STEP_COLUMNS = tuple(n for n, _ in STEP_FIELDS)
-
-
-def _columns(fields) -> list:
-    return [array(code) if code else [] for _, code in fields]
+_NUMPY = {"q": "i8", "d": "f8", "b": "i1", "s": "i4"}
+REQUEST_DTYPE = np.dtype([(n, _NUMPY[c]) for n, c in REQUEST_FIELDS])
+STEP_DTYPE = np.dtype([(n, "f8") for n in STEP_COLUMNS])   # integers and flags are exact in a double
+ITL_DTYPE = np.dtype([("gap_s", "f8"), ("tokens", "i8")])
+STATUSES = ("completed", "failed", "unfinished")   # codes 0, 1, 2 of the status column
+CHUNK_ROWS = 1 << 16
 
 
 class Recorder:
-    """Collects request rows, step rows and inter-token gaps (value, count) for one engine run, column-wise
-    (8 bytes a number) so a million-request run stays small."""
+    """Collects request rows, step rows and inter-token gaps (value, count) for one engine run. Rows gather in
+    typed columns and move to `Chunks` every CHUNK_ROWS rows (requests sorted by id within a chunk), so memory
+    stays flat however long the run: see Spill's budget."""
 
-    def __init__(self):
-        self.request_cols = _columns(REQUEST_FIELDS)
-        self.step_rows = array("d")  # STEP_FIELDS flattened row after row (one C-level extend per step)
-        self.itl_values = array("d")
-        self.itl_counts = array("q")
+    def __init__(self, spill: Spill | None = None, chunk_rows: int | None = None):
+        self.spill = spill if spill is not None else Spill()
+        self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
+        self.request_chunks = Chunks("requests", REQUEST_DTYPE, self.spill)
+        self.step_chunks = Chunks("steps", STEP_DTYPE, self.spill)
+        self.itl_chunks = Chunks("itl", ITL_DTYPE, self.spill)
+        self._strings: list[str] = [*STATUSES, ""]
+        self._codes = {s: i for i, s in enumerate(self._strings)}
+        self._request_cols = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
+        self._step_rows = array("d")  # STEP_FIELDS flattened row after row (one C-level extend per step)
+        self._itl_values = array("d")
+        self._itl_counts = array("q")
         self.arrived = 0
 
+    # ---- writing (the hot loop) -------------------------------------------------------------------------------
     def request(self, req: Request, replica: int, status: str) -> None:
         row = (req.request_id, replica, req.session_id, req.turn, req.priority, req.arrival_s,
                req.first_scheduled_s, req.first_token_s, req.finish_s, req.prompt_len, req.output_len,
                req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason,
                req.slo_class, int(req.structured))
-        for col, v in zip(self.request_cols, row):
+        for col, v in zip(self._request_cols, row):
             col.append(v)
+        if len(self._request_cols[0]) >= self.chunk_rows:
+            self._flush_requests()
 
     def finished(self, req: Request, replica: int) -> None:
         self.request(req, replica, "completed" if req.status is Status.FINISHED else "failed")
 
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
         """`row` holds the STEP_FIELDS in order (integers and flags are exact in a double)."""
-        self.step_rows.extend(row)
+        self._step_rows.extend(row)
         if len(itl_groups) == 1:  # the usual case: every decode's previous token came from the previous step
             for prev, count in itl_groups.items():
-                self.itl_values.append(now - prev)
-                self.itl_counts.append(count)
+                self._itl_values.append(now - prev)
+                self._itl_counts.append(count)
         elif itl_groups:
-            self.itl_values.extend([now - prev for prev in itl_groups])
-            self.itl_counts.extend(itl_groups.values())
+            self._itl_values.extend([now - prev for prev in itl_groups])
+            self._itl_counts.extend(itl_groups.values())
+        if len(self._step_rows) >= self.chunk_rows * len(STEP_FIELDS):
+            self._flush_steps()
 
     def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
         """Several steps at once: one row of STEP_FIELDS each (float64), one inter-token gap group each (float64
         values, int64 counts)."""
-        self.step_rows.frombytes(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
-        self.itl_values.frombytes(np.ascontiguousarray(itl_values, dtype=np.float64).tobytes())
-        self.itl_counts.frombytes(np.ascontiguousarray(itl_counts, dtype=np.int64).tobytes())
+        self._step_rows.frombytes(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
+        self._itl_values.frombytes(np.ascontiguousarray(itl_values, dtype=np.float64).tobytes())
+        self._itl_counts.frombytes(np.ascontiguousarray(itl_counts, dtype=np.int64).tobytes())
+        if len(self._step_rows) >= self.chunk_rows * len(STEP_FIELDS):
+            self._flush_steps()
+
+    def _code(self, s: str) -> int:
+        code = self._codes.get(s)
+        if code is None:
+            code = self._codes[s] = len(self._strings)
+            self._strings.append(s)
+        return code
+
+    def _flush_requests(self) -> None:
+        cols = self._request_cols
+        if not len(cols[0]):
+            return
+        rows = np.empty(len(cols[0]), dtype=REQUEST_DTYPE)
+        for (name, code), col in zip(REQUEST_FIELDS, cols):
+            if code == "s":
+                lookup = {s: self._code(s) for s in set(col)}
+                rows[name] = [lookup[s] for s in col]
+            else:
+                rows[name] = np.frombuffer(col, dtype=col.typecode)
+        self.request_chunks.append(rows[np.argsort(rows["request_id"], kind="stable")])
+        self._request_cols = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
+
+    def _flush_steps(self) -> None:
+        if len(self._step_rows):
+            self.step_chunks.append(np.frombuffer(self._step_rows, dtype=STEP_DTYPE))
+            self._step_rows = array("d")
+        if len(self._itl_values):
+            gaps = np.empty(len(self._itl_values), dtype=ITL_DTYPE)
+            gaps["gap_s"] = np.frombuffer(self._itl_values, dtype=np.float64)
+            gaps["tokens"] = np.frombuffer(self._itl_counts, dtype=np.int64)
+            self.itl_chunks.append(gaps)
+            self._itl_values, self._itl_counts = array("d"), array("q")
+
+    def flush(self) -> None:
+        """Move every buffered row to the chunks (the readers below do it first)."""
+        self._flush_requests()
+        self._flush_steps()
+
+    # ---- reading (after the run) ------------------------------------------------------------------------------
+    def request_rows(self) -> Iterator[np.ndarray]:
+        """Request rows chunk by chunk, in no particular order across chunks (for totals and statistics)."""
+        self.flush()
+        return iter(self.request_chunks)
+
+    def request_rows_by_id(self) -> Iterator[np.ndarray]:
+        """Request rows in ascending request id, block by block."""
+        self.flush()
+        return merged(self.request_chunks, "request_id")
+
+    def step_rows(self) -> Iterator[np.ndarray]:
+        self.flush()
+        return iter(self.step_chunks)
+
+    def itl_rows(self) -> Iterator[np.ndarray]:
+        self.flush()
+        return iter(self.itl_chunks)
+
+    @property
+    def strings(self) -> list[str]:
+        """The values of the string columns, by code (of every row recorded so far)."""
+        self.flush()
+        return self._strings
+
+    def code(self, s: str) -> int | None:
+        """The code of a string column's value, None if no row has it."""
+        self.flush()
+        return self._codes.get(s)
 
     @property
     def num_steps(self) -> int:
-        return len(self.step_rows) // len(STEP_FIELDS)
+        return self.step_chunks.rows + len(self._step_rows) // len(STEP_FIELDS)
 
     @property
     def num_requests(self) -> int:
-        return len(self.request_cols[0])
+        return self.request_chunks.rows + len(self._request_cols[0])

@@ -1,135 +1,174 @@
 """summary.json: vLLM `bench serve` keys (completed, failed, throughputs, mean/median/std/p99 of ttft, tpot,
-itl, e2el in ms, request_goodput) plus simulator extras (unfinished, prefix hits, preemptions, KV usage, cost)."""
+itl, e2el in ms, request_goodput) plus simulator extras (unfinished, prefix hits, preemptions, KV usage, cost).
+Computed from the recorder's rows chunk by chunk (exact percentiles by metrics/stream_stats.py), so a run of any
+length is summarised in bounded memory."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-import pandas as pd
 
 from simengine.config.slo import SloConfig
+from simengine.metrics.frames import COMPLETED, latencies_ms
+from simengine.metrics.recorder import Recorder
+from simengine.metrics.stream_stats import sample_stats
 
 PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "e2el", "queue")
 
 
-def _stats(prefix: str, values: np.ndarray) -> dict[str, float | None]:
-    v = values[~np.isnan(values)] if len(values) else values
-    if not len(v):
+def _keys(prefix: str, stats: dict | None) -> dict[str, float | None]:
+    if stats is None:
         return {f"mean_{prefix}_ms": None, f"median_{prefix}_ms": None, f"std_{prefix}_ms": None,
                 **{f"p{p}_{prefix}_ms": None for p in PERCENTILES}}
-    out = {f"mean_{prefix}_ms": float(np.mean(v)), f"median_{prefix}_ms": float(np.median(v)),
-           f"std_{prefix}_ms": float(np.std(v))}
-    for p in PERCENTILES:
-        out[f"p{p}_{prefix}_ms"] = float(np.percentile(v, p))
-    return out
+    return {f"mean_{prefix}_ms": stats["mean"], f"median_{prefix}_ms": stats[50], f"std_{prefix}_ms": stats["std"],
+            **{f"p{p}_{prefix}_ms": stats[p] for p in PERCENTILES}}
 
 
-def weighted_stats(prefix: str, values: np.ndarray, weights: np.ndarray) -> dict[str, float | None]:
-    """Statistics of a token-weighted sample, matching np.percentile's linear interpolation on the expansion."""
-    if not len(values) or weights.sum() == 0:
-        return _stats(prefix, np.array([]))
-    order = np.argsort(values, kind="stable")
-    v, w = values[order], weights[order]
-    n = int(w.sum())
-    mean = float(np.dot(v, w) / n)
-    std = float(math.sqrt(max(np.dot(w, (v - mean) ** 2) / n, 0.0)))
-    ends = np.cumsum(w)  # the expanded sample's index of each value's last copy is ends-1
-
-    def pct(p: float) -> float:
-        pos = (n - 1) * p / 100.0
-        lo, hi = int(math.floor(pos)), int(math.ceil(pos))
-        a = v[np.searchsorted(ends, lo, side="right")]
-        b = v[np.searchsorted(ends, hi, side="right")]
-        return float(a + (b - a) * (pos - lo))
-
-    out = {f"mean_{prefix}_ms": mean, f"median_{prefix}_ms": pct(50), f"std_{prefix}_ms": std}
-    for p in PERCENTILES:
-        out[f"p{p}_{prefix}_ms"] = pct(p)
-    return out
+def metric_stats(prefix: str, values: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float | None]:
+    """mean/median/std/p90/p99 of one sample held in memory (NaN dropped; weights: copies of each value, as the
+    token-weighted inter-token gaps)."""
+    keep = ~np.isnan(values)
+    sample = (values[keep], None if weights is None else weights[keep])
+    return _keys(prefix, sample_stats(lambda: [{prefix: sample}], [prefix], PERCENTILES)[prefix])
 
 
-def meets_slo(done: pd.DataFrame, slo: SloConfig) -> np.ndarray:
-    """Per completed request: does it meet every objective given."""
-    good = np.ones(len(done), dtype=bool)
+def meets_slo(lat: dict[str, np.ndarray], slo: SloConfig) -> np.ndarray:
+    """Per completed request (latencies_ms of completed rows): does it meet every objective given."""
+    good = np.ones(len(lat["ttft_ms"]), dtype=bool)
     if slo.ttft_ms is not None:
-        good &= done["ttft_ms"].to_numpy() <= slo.ttft_ms
+        good &= lat["ttft_ms"] <= slo.ttft_ms
     if slo.tpot_ms is not None:
-        good &= np.nan_to_num(done["tpot_ms"].to_numpy(), nan=0.0) <= slo.tpot_ms
+        good &= np.nan_to_num(lat["tpot_ms"], nan=0.0) <= slo.tpot_ms
     if slo.e2el_ms is not None:
-        good &= done["e2el_ms"].to_numpy() <= slo.e2el_ms
+        good &= lat["e2el_ms"] <= slo.e2el_ms
     return good
 
 
-def class_summary(requests: pd.DataFrame, slo: SloConfig, duration: float) -> dict:
-    """Per request class: counts, latency percentiles and goodput against the class's own SLOs."""
-    done = requests[requests["status"] == "completed"]
-    out = {"num_requests": len(requests), "completed": len(done),
-           "request_goodput": float(meets_slo(done, slo).sum()) / duration if slo.any else None,
-           "slo_attainment": float(meets_slo(done, slo).mean()) if slo.any and len(done) else None}
-    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
-        stat, metric = key.split("_", 1)
-        v = done[metric].dropna()
-        out[key] = (float(np.percentile(v, 50 if stat == "median" else 99)) if len(v) else None)
-    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+class _Totals:
+    """Counts and sums of one set of requests (all, or one class) over the chunks."""
+
+    def __init__(self):
+        self.requests = self.completed = self.failed = self.unfinished = self.shed = self.good = 0
+        self.in_tokens = self.out_tokens = 0
+        self.last_finish_s = 0.0
+
+    def add(self, rows: np.ndarray, lat: dict, done: np.ndarray, slo: SloConfig, shed_codes: np.ndarray) -> None:
+        status = rows["status"]
+        self.requests += len(rows)
+        self.completed += int(done.sum())
+        self.failed += int((status == 1).sum())
+        self.unfinished += int((status == 2).sum())
+        self.shed += int(np.isin(rows["fail_reason"][status == 1], shed_codes).sum())
+        self.in_tokens += int(rows["prompt_len"][done].sum())
+        self.out_tokens += int(rows["num_output_tokens"][done].sum())
+        if done.any():
+            self.last_finish_s = max(self.last_finish_s, float(rows["finish_s"][done].max()))
+        if slo.any:
+            self.good += int(meets_slo({k: v[done] for k, v in lat.items()}, slo).sum())
 
 
-def summarize(requests: pd.DataFrame, steps: pd.DataFrame, itl_ms: np.ndarray, itl_counts: np.ndarray, *,
-              slo: SloConfig, end_s: float, num_devices: int, price_usd_per_hour: float | None,
+def _request_passes(rec: Recorder, classes):
+    """Per chunk: the latency samples (completed rows, NaN dropped) of all requests and of each class."""
+    class_codes = {c.name: rec.code(c.name) for c in classes}
+
+    def passes():
+        for rows in rec.request_rows():
+            lat = latencies_ms(rows)
+            done = rows["status"] == COMPLETED
+            out = {}
+            for m in LATENCIES:   # of completed requests, like the other latencies
+                v = lat[f"{m}_ms"][done]
+                out[m] = (v[~np.isnan(v)], None)
+            for name, code in class_codes.items():
+                mine = rows["slo_class"] == code
+                for m in ("ttft", "tpot"):
+                    v = lat[f"{m}_ms"][done & mine]
+                    out[f"{name}/{m}"] = (v[~np.isnan(v)], None)
+            yield out
+    return passes
+
+
+def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, price_usd_per_hour: float | None,
               prefix_hit_rate: float, horizon_s: float, replicas: int = 1, classes=()) -> dict:
     """The summary dict for one engine run. No wall-clock values (same seed -> identical file)."""
-    done = requests[requests["status"] == "completed"]
-    n_failed = int((requests["status"] == "failed").sum())
-    n_unfinished = int((requests["status"] == "unfinished").sum())
-    duration = float(done["finish_s"].max()) if len(done) else 0.0
-    if n_unfinished:
+    shed_codes = np.array([i for i, s in enumerate(rec.strings) if s.startswith("429")], dtype=np.int32)
+    total, per_class = _Totals(), {c.name: _Totals() for c in classes}
+    for rows in rec.request_rows():
+        lat = latencies_ms(rows)
+        done = rows["status"] == COMPLETED
+        total.add(rows, lat, done, slo, shed_codes)
+        for c in classes:
+            code = rec.code(c.name)
+            mine = rows["slo_class"] == (code if code is not None else -1)
+            if mine.any():
+                per_class[c.name].add(rows[mine], {k: v[mine] for k, v in lat.items()}, done[mine], c.slo, shed_codes)
+    names = [*LATENCIES, *(f"{c.name}/{m}" for c in classes for m in ("ttft", "tpot"))]
+    stats = sample_stats(_request_passes(rec, classes), names, PERCENTILES)
+    itl = sample_stats(lambda: ({"itl": (g["gap_s"] * 1e3, g["tokens"])} for g in rec.itl_rows()), ["itl"],
+                       PERCENTILES)["itl"]
+
+    steps = busy = kv_weighted = kv_max = batch = preempted = measured = 0.0
+    for rows in rec.step_rows():
+        steps += len(rows)
+        busy += float(rows["step_s"].sum())
+        kv_weighted += float(np.dot(rows["kv_usage"], rows["step_s"]))
+        kv_max = max(kv_max, float(rows["kv_usage"].max()))
+        batch += float(rows["batch_size"].sum())
+        preempted += float(rows["preempted"].sum())
+        measured += float(rows["measured_s"].sum())
+
+    duration = total.last_finish_s
+    if total.unfinished:
         duration = end_s
     duration = max(duration, 1e-9)
-    out_tokens = int(done["num_output_tokens"].sum())
-    in_tokens = int(done["prompt_len"].sum())
-    good = meets_slo(done, slo)
-    has_slo = slo.any
-    busy = steps["step_s"].sum() if len(steps) else 0.0
-    kv_mean = float(np.average(steps["kv_usage"], weights=steps["step_s"])) if busy > 0 else 0.0
     cost = None
-    if price_usd_per_hour is not None and out_tokens:
-        cost = price_usd_per_hour * num_devices * duration / 3600.0 / out_tokens * 1e6
-    arrived = len(requests)
+    if price_usd_per_hour is not None and total.out_tokens:
+        cost = price_usd_per_hour * num_devices * duration / 3600.0 / total.out_tokens * 1e6
     # Overloaded: more than 5% of arrivals were still queued when the drain limit cut the run, or were turned away
     # by the engine's own load limit (HTTP 429, e.g. TGI max_concurrent_requests; such reasons start with "429").
-    shed = int(requests["fail_reason"].str.startswith("429").sum()) if n_failed else 0
-    backlog = n_unfinished if end_s > horizon_s else 0
-    overloaded = bool(backlog + shed > 0.05 * max(arrived, 1))
+    backlog = total.unfinished if end_s > horizon_s else 0
+    overloaded = bool(backlog + total.shed > 0.05 * max(total.requests, 1))
     summary = {
-        "num_requests": arrived,
-        "completed": int(len(done)),
-        "failed": n_failed,
-        "unfinished": n_unfinished,
+        "num_requests": total.requests,
+        "completed": total.completed,
+        "failed": total.failed,
+        "unfinished": total.unfinished,
         "overloaded": overloaded,
         "duration": duration,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration,
-        "request_goodput": (float(good.sum()) / duration) if has_slo else None,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        **_stats("ttft", done["ttft_ms"].to_numpy()),
-        **_stats("tpot", done["tpot_ms"].to_numpy()),
-        **weighted_stats("itl", itl_ms, itl_counts),
-        **_stats("e2el", done["e2el_ms"].to_numpy()),
-        **_stats("queue", done["queue_ms"].to_numpy()),
+        "total_input_tokens": total.in_tokens,
+        "total_output_tokens": total.out_tokens,
+        "request_throughput": total.completed / duration,
+        "request_goodput": total.good / duration if slo.any else None,
+        "output_throughput": total.out_tokens / duration,
+        "total_token_throughput": (total.in_tokens + total.out_tokens) / duration,
+        **_keys("ttft", stats["ttft"]),
+        **_keys("tpot", stats["tpot"]),
+        **_keys("itl", itl),
+        **_keys("e2el", stats["e2el"]),
+        **_keys("queue", stats["queue"]),
         "prefix_cache_hit_rate": prefix_hit_rate,
-        "preemptions": int(steps["preempted"].sum()) if len(steps) else 0,
-        "mean_kv_usage": kv_mean,
-        "max_kv_usage": float(steps["kv_usage"].max()) if len(steps) else 0.0,
-        "mean_batch_size": float(steps["batch_size"].mean()) if len(steps) else 0.0,
-        "num_steps": int(len(steps)),
+        "preemptions": int(preempted),
+        "mean_kv_usage": kv_weighted / busy if busy > 0 else 0.0,
+        "max_kv_usage": kv_max,
+        "mean_batch_size": batch / steps if steps else 0.0,
+        "num_steps": int(steps),
         "busy_fraction": float(busy / (duration * replicas)),
         # share of the steps' time priced from measured kernel tables (the rest: roofline, floors, host time)
-        "measured_kernel_share": float(steps["measured_s"].sum() / busy) if busy > 0 else 0.0,
+        "measured_kernel_share": measured / busy if busy > 0 else 0.0,
         "cost_per_1m_output_tokens_usd": cost,
     }
     if classes:
-        summary["classes"] = {c.name: class_summary(requests[requests["slo_class"] == c.name], c.slo, duration)
-                              for c in classes}
+        summary["classes"] = {c.name: _class_summary(per_class[c.name], stats, c, duration) for c in classes}
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in summary.items()}
+
+
+def _class_summary(t: _Totals, stats: dict, c, duration: float) -> dict:
+    """Per request class: counts, latency percentiles and goodput against the class's own SLOs."""
+    out = {"num_requests": t.requests, "completed": t.completed,
+           "request_goodput": float(t.good) / duration if c.slo.any else None,
+           "slo_attainment": float(t.good) / t.completed if c.slo.any and t.completed else None}
+    for m in ("ttft", "tpot"):
+        s = stats[f"{c.name}/{m}"]
+        out[f"median_{m}_ms"] = s[50] if s else None
+        out[f"p99_{m}_ms"] = s[99] if s else None
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}

@@ -208,11 +208,11 @@ def _latency_metric(metric: str, frame, recorder) -> float:
     """A `vllm bench serve` latency statistic (mean/median/p90/p99 of ttft/tpot/itl/e2el, in ms). TTFT, TPOT and
     E2E are per request; ITL pools every inter-token gap of every request (token-weighted), as the benchmark does."""
     from simengine.metrics.frames import itl_arrays
-    from simengine.metrics.summary import weighted_stats
+    from simengine.metrics.summary import metric_stats
 
     stat, quantity, _ = metric.split("_")
     if quantity == "itl":
-        value = weighted_stats("itl", *itl_arrays(recorder))[f"{stat}_itl_ms"]
+        value = metric_stats("itl", *itl_arrays(recorder))[f"{stat}_itl_ms"]
         return math.nan if value is None else float(value)
     v = frame.loc[frame["status"] == "completed", f"{quantity}_ms"].dropna().to_numpy()
     if not len(v):
