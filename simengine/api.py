@@ -92,12 +92,22 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down)
 
 
-def compare(scenario: Scenario, engines: list[EngineEntry] | None = None, *, max_wall_s: float | None = None,
-            **kw) -> dict[str, EngineResult]:
-    """Every engine on the identical request stream (same seed). `max_wall_s` bounds the whole comparison's wall
-    time: an engine still running then stops where it is, later ones simulate nothing; both are marked partial."""
+def engine_entries(scenario: Scenario, engines: list[EngineEntry | str] | None) -> list[EngineEntry]:
+    """The engines to run: the scenario's list when none are given; a name picks the scenario's entry of that
+    label (its params) or else the engine with its defaults."""
+    if engines is None:
+        return list(scenario.engines)
+    by_label = {e.display: e for e in scenario.engines}
+    return [e if isinstance(e, EngineEntry) else by_label.get(e, EngineEntry(engine=e)) for e in engines]
+
+
+def compare(scenario: Scenario, engines: list[EngineEntry | str] | None = None, *,
+            max_wall_s: float | None = None, **kw) -> dict[str, EngineResult]:
+    """Every engine (entries or names; default the scenario's) on the identical request stream (same seed).
+    `max_wall_s` bounds the whole comparison's wall time: an engine still running then stops where it is, later
+    ones simulate nothing; both are marked partial."""
     deadline = None if max_wall_s is None else time.monotonic() + max_wall_s
-    return {e.display: run_engine(scenario, e, deadline=deadline, **kw) for e in (engines or scenario.engines)}
+    return {e.display: run_engine(scenario, e, deadline=deadline, **kw) for e in engine_entries(scenario, engines)}
 
 
 def _jsonable(obj):
@@ -111,29 +121,31 @@ def _jsonable(obj):
 
 
 def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path) -> Path:
-    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml}. The files
-    go to a hidden temporary folder that replaces the old one only when complete, so an interrupt or a failure
-    leaves either the previous results or the new ones, never a mix or a half-written file."""
-    from simengine.cost.measured import package_version
-
+    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml,trace.json}
+    and return results/<scenario>. Each engine's folder is written under a hidden temporary name and replaces that
+    engine's old folder only when complete; other engines' folders are left as they are. So an interrupt or a failure
+    leaves every folder either as it was or new, never a mix or a half-written file, and a run of some engines
+    never removes the results of the others."""
     final = out_dir / scenario.name
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{scenario.name}-", dir=final.parent))
-    old = final.with_name(f".{scenario.name}.old-{os.getpid()}")
+    final.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_dump(_jsonable(scenario), sort_keys=False)
+    for label, r in results.items():
+        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config))
+    return final
+
+
+def _replace_folder(final: Path, fill) -> None:
+    """Fill a hidden temporary folder, then put it in place of `final` with two renames: at every instant the name
+    holds a complete folder or none, and an interrupt brings the previous one back."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
     try:
-        (tmp / "config.yaml").write_text(yaml.safe_dump(_jsonable(scenario), sort_keys=False))
-        for label, r in results.items():
-            d = tmp / label
-            d.mkdir()
-            (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
-            _write_csv(request_blocks(r.recorder), d / "requests.csv")
-            _write_csv(step_blocks(r.recorder), d / "steps.csv")
-            (d / "run_info.json").write_text(json.dumps({"wall_seconds": round(r.wall_s, 3),
-                                                         "python_pid": os.getpid(), "cost_model": r.cost_model,
-                                                         "aiconfigurator_core": package_version(),
-                                                         "partial": r.summary["partial"]}, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)   # mkdtemp's folder is private; results are as readable as any new folder
+        fill(tmp)
         if final.exists():
-            final.rename(old)       # two renames: at every instant the name holds a complete folder or none
+            final.rename(old)
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -141,7 +153,20 @@ def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir:
             old.rename(final)       # interrupted between the renames: the previous results come back
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def _write_engine(d: Path, r: EngineResult, config: str) -> None:
+    from simengine.cost.measured import package_version
+    from simengine.report.trace import write_trace
+
+    (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
+    _write_csv(request_blocks(r.recorder), d / "requests.csv")
+    _write_csv(step_blocks(r.recorder), d / "steps.csv")
+    (d / "run_info.json").write_text(json.dumps({"wall_seconds": round(r.wall_s, 3), "python_pid": os.getpid(),
+                                                 "cost_model": r.cost_model, "aiconfigurator_core": package_version(),
+                                                 "partial": r.summary["partial"]}, indent=2) + "\n")
+    (d / "config.yaml").write_text(config)
+    write_trace(r.recorder, r.label, d / "trace.json")
 
 
 def _write_csv(blocks, path: Path) -> None:

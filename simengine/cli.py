@@ -44,14 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engines_arg(text: str | None, scenario):
-    from simengine.config.scenario import EngineEntry
+    from simengine.api import engine_entries
     if not text:
-        return list(scenario.engines)
+        return engine_entries(scenario, None)
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise InputError("--engines is empty; give e.g. --engines vllm,sglang", field="--engines")
-    by_label = {e.display: e for e in scenario.engines}
-    return [by_label.get(n, EngineEntry(engine=n)) for n in names]
+    return engine_entries(scenario, names)
 
 
 def cmd_run(args) -> int:
@@ -88,6 +87,9 @@ def cmd_run(args) -> int:
           f"seed {scenario.seed}")
     print(format_table({k: v.summary for k, v in results.items()}))
     for label, r in results.items():
+        if r.summary["failed"]:
+            reasons = "; ".join(f"{n:,} {reason}" for reason, n in r.summary["failure_reasons"].items())
+            print(f"{label}: {r.summary['failed']:,} failed: {reasons}")
         if (f := r.summary.get("faults")) is not None:
             print(f"{label}: {f['failures']} replica failure(s), {f['retries']} request(s) resent, "
                   f"{f['failed_by_fault']} failed by them, availability {100 * f['availability']:.1f}%")

@@ -24,17 +24,17 @@ def test_run_writes_results_and_figures(tmp_path):
                 "--plots", str(plots), "--set", "horizon_s=15", "--set", "workload.sessions.population=6")
     assert r.returncode == 0, r.stderr
     assert "vllm-no-prefix-cache" in r.stdout and "TTFT" in r.stdout
+    name = "agent_multiturn--horizon_s-15+workload.sessions.population-6"   # a variant: beside the baseline
     for label in ("vllm", "vllm-no-prefix-cache"):
-        s = json.loads((out / "agent_multiturn" / label / "summary.json").read_text())
+        s = json.loads((out / name / label / "summary.json").read_text())
         for key in ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                     "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
                     "mean_e2el_ms", "request_goodput", "num_requests", "unfinished", "prefix_cache_hit_rate",
                     "preemptions", "mean_kv_usage"):
             assert key in s, key
-        assert (out / "agent_multiturn" / label / "requests.csv").exists()
-        assert (out / "agent_multiturn" / label / "steps.csv").exists()
-    assert (out / "agent_multiturn" / "config.yaml").exists()
-    assert len(list((plots / "agent_multiturn").glob("*.png"))) >= 3
+        for f in ("requests.csv", "steps.csv", "config.yaml", "trace.json", "run_info.json"):
+            assert (out / name / label / f).exists(), f
+    assert len(list((plots / name).glob("*.png"))) >= 3
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):

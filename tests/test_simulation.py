@@ -54,9 +54,9 @@ def test_identical_files_across_processes(tmp_path):
         subprocess.run([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--out", str(d),
                         "--no-plots", "--set", "horizon_s=20", "--set", "workload.sessions.population=8"],
                        check=True, capture_output=True)
-        outs.append(d / "agent_multiturn")
+        outs.append(d / "agent_multiturn--horizon_s-20+workload.sessions.population-8")
     for label in ("vllm", "vllm-no-prefix-cache"):
-        for f in ("summary.json", "requests.csv", "steps.csv"):
+        for f in ("summary.json", "requests.csv", "steps.csv", "trace.json"):
             assert (outs[0] / label / f).read_bytes() == (outs[1] / label / f).read_bytes(), f
 
 

@@ -167,16 +167,34 @@ def resolve_scenario_path(name_or_path: str) -> Path:
 
 
 def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scenario:
-    """Load a scenario by name (scenarios/<name>.yaml) or path, with dotted --set overrides applied."""
+    """Load a scenario by name (scenarios/<name>.yaml) or path, with dotted --set overrides applied. Overrides
+    name a variant: its name is the scenario's plus the overrides (unless one sets `name`), so its results go
+    beside the baseline's instead of over them."""
     path = resolve_scenario_path(name_or_path)
     data = load_yaml(path)
     if not isinstance(data, dict):
         raise InputError("a scenario must be a YAML mapping", source=str(path))
+    base = data.get("name", path.stem)
     data = apply_overrides(data, overrides or [])
+    if overrides and data.get("name", path.stem) == base:
+        data["name"] = f"{base}--{variant_slug(overrides)}"
     data.setdefault("name", path.stem)
     scenario = from_dict(Scenario, data, source=str(path))
     check_engines(scenario, source=str(path))
     return scenario
+
+
+def variant_slug(overrides: list[str]) -> str:
+    """A folder-safe name for a list of KEY=VALUE overrides: KEY-VALUE joined by '+', other characters '_' (long
+    ones shortened with a hash of the whole)."""
+    import hashlib
+    import re
+
+    parts = [re.sub(r"[^A-Za-z0-9._-]+", "_", o.replace("=", "-", 1)).strip("_").replace("-_", "-") for o in overrides]
+    slug = "+".join(parts)
+    if len(slug) > 80:
+        slug = f"{slug[:60]}-{hashlib.sha1(','.join(overrides).encode()).hexdigest()[:10]}"
+    return slug
 
 
 def check_engines(scenario: Scenario, *, source: str) -> None:

@@ -5,6 +5,8 @@ length is summarised in bounded memory."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from simengine.config.slo import SloConfig
@@ -157,9 +159,29 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
         "measured_kernel_share": measured / busy if busy > 0 else 0.0,
         "cost_per_1m_output_tokens_usd": cost,
     }
+    summary["failure_reasons"] = failure_reasons(rec)
     if classes:
         summary["classes"] = {c.name: _class_summary(per_class[c.name], stats, c, duration) for c in classes}
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in summary.items()}
+
+
+def failure_reasons(rec: Recorder, top: int = 10) -> dict[str, int]:
+    """Failed requests by reason, most frequent first: reasons that differ only in their numbers (prompt lengths)
+    count together under the first one seen; past `top` kinds the rest count under "other"."""
+    counts = np.zeros(len(rec.strings), dtype=np.int64)
+    for rows in rec.request_rows():
+        reasons = rows["fail_reason"][rows["status"] == 1]
+        counts += np.bincount(reasons, minlength=len(counts))[:len(counts)]
+    kinds: dict[str, list] = {}
+    for code in np.flatnonzero(counts):
+        reason = rec.strings[code] or "(no reason given)"
+        kind = kinds.setdefault(re.sub(r"\d+", "#", reason), [reason, 0])
+        kind[1] += int(counts[code])
+    ranked = sorted(kinds.values(), key=lambda k: -k[1])
+    out = {reason: n for reason, n in ranked[:top]}
+    if len(ranked) > top:
+        out["other"] = sum(n for _, n in ranked[top:])
+    return out
 
 
 def _class_summary(t: _Totals, stats: dict, c, duration: float) -> dict:

@@ -17,24 +17,34 @@ def _rolling(df: pd.DataFrame, col: str, q: float) -> pd.Series:
     return df[col].rolling(window, min_periods=1, center=True).quantile(q)
 
 
+def time_axis(requests: pd.DataFrame) -> tuple[str, str]:
+    """The column and label to draw requests along: arrival time, or finish time when every request arrived at
+    once (an offline batch, where 'by arrival' would be a single column of points)."""
+    arrivals = requests["arrival_s"]
+    if len(arrivals) > 1 and arrivals.max() - arrivals.min() < 1e-9:
+        return "finish_s", "finish time (s)"
+    return "arrival_s", "arrival time (s)"
+
+
 def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, float, float]], path: Path) -> Path:
-    """TTFT and TPOT of each completed request at its arrival time, with rolling p50 and p99; replica failures
-    (replica, from, to) shaded."""
-    done = requests[requests["status"] == "completed"].sort_values("arrival_s")
+    """TTFT and TPOT of each completed request at its arrival (offline: finish) time, with rolling p50 and p99;
+    replica failures (replica, from, to) shaded."""
+    x, xlabel = time_axis(requests)
+    done = requests[requests["status"] == "completed"].sort_values(x)
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for ax, col, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms/token)")):
         d = done.dropna(subset=[col])
-        ax.scatter(d["arrival_s"], d[col], s=6, alpha=0.35, label="request", color="tab:blue")
+        ax.scatter(d[x], d[col], s=6, alpha=0.35, label="request", color="tab:blue")
         if len(d):
-            ax.plot(d["arrival_s"], _rolling(d, col, 0.5), color="tab:green", label="rolling p50")
-            ax.plot(d["arrival_s"], _rolling(d, col, 0.99), color="tab:red", label="rolling p99")
+            ax.plot(d[x], _rolling(d, col, 0.5), color="tab:green", label="rolling p50")
+            ax.plot(d[x], _rolling(d, col, 0.99), color="tab:red", label="rolling p99")
         ax.set_ylabel(label)
         ax.set_yscale("log") if len(d) and d[col].min() > 0 else None
         for k, (_replica, start, end) in enumerate(down):
             ax.axvspan(start, end, color="tab:gray", alpha=0.2, label="replica down" if k == 0 else None)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
-    axes[1].set_xlabel("arrival time (s)")
+    axes[1].set_xlabel(xlabel)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -66,10 +76,12 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
     return path
 
 
-def _cdf(ax, values: np.ndarray, label: str, color) -> None:
+def _cdf(ax, values: np.ndarray, total: int, label: str, color) -> None:
+    """The share of all `total` requests at or below each value: requests without one (failed, unfinished) keep
+    the curve below 1.0 by their share."""
     v = np.sort(values[~np.isnan(values)])
     if len(v):
-        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label, color=color)
+        ax.plot(v, np.arange(1, len(v) + 1) / max(total, len(v)), label=label, color=color)
 
 
 def engine_colors(labels: list[str]) -> dict[str, tuple]:
@@ -85,20 +97,22 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     (a_ttft, a_tpot, a_thr), (a_kv, a_tl, a_tpl) = axes
     labels = list(frames)
     colors = engine_colors(labels)
+    x, xlabel = time_axis(pd.concat([req[["arrival_s"]] for req, _ in frames.values()]))
     for label, (req, steps) in frames.items():
         c = colors[label]
-        done = req[req["status"] == "completed"].sort_values("arrival_s")
-        _cdf(a_ttft, done["ttft_ms"].to_numpy(), label, c)
-        _cdf(a_tpot, done["tpot_ms"].to_numpy(), label, c)
+        done = req[req["status"] == "completed"].sort_values(x)
+        _cdf(a_ttft, done["ttft_ms"].to_numpy(), len(req), label, c)
+        # TPOT exists for outputs of 2 or more tokens: the share is of those requests, failed ones included
+        _cdf(a_tpot, done["tpot_ms"].to_numpy(), int((req["output_len"] > 1).sum()), label, c)
         if len(steps):
             s = steps.groupby("end_s").agg(kv=("kv_usage", "mean")).reset_index()
             a_kv.plot(s["end_s"], s["kv"] * 100, label=label, alpha=0.8, color=c)
         d = done.dropna(subset=["ttft_ms"])
         if len(d):
-            a_tl.plot(d["arrival_s"], _rolling(d, "ttft_ms", 0.5), label=label, color=c)
+            a_tl.plot(d[x], _rolling(d, "ttft_ms", 0.5), label=label, color=c)
         d = done.dropna(subset=["tpot_ms"])
         if len(d):
-            a_tpl.plot(d["arrival_s"], _rolling(d, "tpot_ms", 0.5), label=label, color=c)
+            a_tpl.plot(d[x], _rolling(d, "tpot_ms", 0.5), label=label, color=c)
     x = np.arange(len(labels))
     a_thr.bar(x, [summaries[lb]["output_throughput"] for lb in labels], color=[colors[lb] for lb in labels])
     a_thr.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
@@ -108,17 +122,18 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
         ax.set_xscale("log")
         ax.set_title(t)
         ax.set_xlabel(xl)
-        ax.set_ylabel("fraction of requests")
+        ax.set_ylabel("fraction of requests (failed: never reached)")
     a_kv.set_title("KV usage over time")
     a_kv.set_xlabel("simulated time (s)")
     a_kv.set_ylabel("KV usage (%)")
-    a_tl.set_title("TTFT rolling median by arrival")
+    by = xlabel.split()[0]
+    a_tl.set_title(f"TTFT rolling median by {by}")
     a_tl.set_yscale("log")
-    a_tl.set_xlabel("arrival time (s)")
+    a_tl.set_xlabel(xlabel)
     a_tl.set_ylabel("TTFT (ms)")
-    a_tpl.set_title("TPOT rolling median by arrival")
+    a_tpl.set_title(f"TPOT rolling median by {by}")
     a_tpl.set_yscale("log")
-    a_tpl.set_xlabel("arrival time (s)")
+    a_tpl.set_xlabel(xlabel)
     a_tpl.set_ylabel("TPOT (ms/token)")
     for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
         ax.grid(alpha=0.3)

@@ -1,0 +1,120 @@
+"""Outputs people open: results that never vanish (a subset run keeps the other engines', a --set variant keeps
+the baseline), failures counted by reason, CDFs that show the failed share, and a Perfetto trace per engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from simengine.api import compare
+from simengine.config.scenario import load_scenario
+from simengine.report.trace import trace_events
+from tests.conftest import make_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "simengine", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_subset_run_leaves_the_other_engines_results_and_figures(tmp_path):
+    out, plots = tmp_path / "results", tmp_path / "plots"
+    base = ["--out", str(out), "--plots", str(plots)]
+    assert run_cli("run", "scenarios/agent_multiturn.yaml", "--engines", "vllm,sglang", *base,
+                   "--set", "name=agent", "--set", "horizon_s=8").returncode == 0
+    before = _snapshot(tmp_path)
+    r = run_cli("run", "scenarios/agent_multiturn.yaml", "--engines", "vllm", *base, "--set", "name=agent",
+                "--set", "horizon_s=8", "--set", "seed=11")
+    assert r.returncode == 0, r.stderr
+    after = _snapshot(tmp_path)
+    sglang = [k for k in before if "sglang" in k]
+    assert len(sglang) >= 8   # six result files and two figures
+    assert all(after[k] == before[k] for k in sglang)
+    assert after["results/agent/vllm/summary.json"] != before["results/agent/vllm/summary.json"]
+    assert set(after) == set(before)    # nothing stale added, nothing removed; no temporary folder left
+    assert not [p for p in out.rglob(".*")]
+
+
+def test_a_set_variant_goes_beside_the_baseline():
+    assert load_scenario("agent_multiturn").name == "agent_multiturn"
+    assert load_scenario("agent_multiturn", ["horizon_s=15"]).name == "agent_multiturn--horizon_s-15"
+    assert load_scenario("agent_multiturn", ["name=mine", "horizon_s=15"]).name == "mine"
+    long = load_scenario("agent_multiturn", [f"workload.sessions.population={n}" for n in (3, 4, 5, 6, 7)]).name
+    assert len(long) < 120 and long.startswith("agent_multiturn--workload.sessions.population-3")
+
+
+def test_failures_are_counted_by_reason(tmp_path):
+    r = run_cli("run", "agent_multiturn", "--engines", "vllm", "--no-plots", "--out", str(tmp_path),
+                "--set", "horizon_s=5", "--set", "engines=[{engine: vllm, params: {max_model_len: 3000}}]")
+    assert r.returncode == 0, r.stderr
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("vllm:") and "failed:" in ln]
+    assert line and "exceeds max_model_len 3000" in line[0], r.stdout
+    summary = json.loads(next(tmp_path.rglob("vllm/summary.json")).read_text())
+    assert sum(summary["failure_reasons"].values()) == summary["failed"] > 0
+
+
+def test_compare_takes_engine_names():
+    sc = make_scenario(horizon_s=3.0, engines=["vllm", {"engine": "sglang", "label": "sg", "params": {}}])
+    res = compare(sc, ["sg", "tgi"])
+    assert list(res) == ["sg", "tgi"] and res["sg"].summary["engine"] == "sglang"
+
+
+def test_cdfs_stop_at_the_completed_share(tmp_path, monkeypatch):
+    """A run whose requests partly fail draws TTFT CDFs that top out at the completed share."""
+    from simengine.report import plots
+    drawn = {}
+    real = plots._cdf
+
+    def spy(ax, values, total, label, color):
+        drawn[(ax.get_title() or len(drawn), label)] = (np.sum(~np.isnan(values)), total)
+        return real(ax, values, total, label, color)
+    monkeypatch.setattr(plots, "_cdf", spy)
+    sc = make_scenario(horizon_s=10.0, workload__arrival__rate=30.0,
+                       engines=[{"engine": "tgi", "params": {"max_concurrent_requests": 4}}])
+    res = compare(sc)
+    s = res["tgi"].summary
+    assert s["failed"] > 0
+    from simengine.api import write_plots
+    write_plots(sc, res, tmp_path)
+    shares = [n / total for n, total in drawn.values()]
+    assert min(shares) < 1.0 and any(abs(x - s["completed"] / s["num_requests"]) < 1e-9 for x in shares)
+
+
+def test_trace_is_trace_event_json_with_a_track_per_replica():
+    sc = make_scenario(horizon_s=10.0, deployment__replicas=2, engines=["vllm"])
+    r = compare(sc)["vllm"]
+    trace = json.loads(json.dumps(trace_events(r.recorder, "vllm")))
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names.values()) == ["replica 0", "replica 1", "requests"]
+    steps = [e for e in events if e["ph"] == "X" and e["pid"] != 0]
+    assert len(steps) == r.summary["num_steps"]
+    assert {e["pid"] for e in steps} == {1, 2}
+    tracks: dict[tuple, list[float]] = {}
+    for e in events:
+        if "ts" in e:
+            tracks.setdefault((e["pid"], e.get("tid"), e["ph"] == "C" and e["name"]), []).append(e["ts"])
+    assert all(ts == sorted(ts) for ts in tracks.values())
+    decodes = [e for e in events if e["pid"] == 0 and e["name"] == "decode"]
+    assert len(decodes) == r.summary["completed"]
+    assert {e["name"] for e in events if e["ph"] == "C"} == {"KV usage %", "requests"}
+
+
+def test_a_long_runs_trace_is_cut_and_says_so(monkeypatch):
+    from simengine.report import trace
+    monkeypatch.setattr(trace, "TRACE_MAX_STEPS", 100)
+    sc = make_scenario(horizon_s=10.0, engines=["vllm"])
+    r = compare(sc)["vllm"]
+    t = trace.trace_events(r.recorder, "vllm")
+    assert sum(1 for e in t["traceEvents"] if e["ph"] == "X" and e["pid"] == 1) == 100
+    assert "first 100 steps" in t["otherData"]["contents"]
