@@ -36,6 +36,23 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--max-wall-s", type=float, metavar="SECONDS",
                        help="stop simulating after this many wall-clock seconds; results so far are written and "
                             "marked partial")
+    c = sub.add_parser("capacity", help="the highest request rate each engine serves within latency limits")
+    c.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file (open-loop arrivals at a rate)")
+    c.add_argument("--engines", help="comma-separated engine names (default: the scenario's list)")
+    c.add_argument("--slo", help="statistic limits METRIC_STAT_ms=VALUE, comma-separated; METRIC ttft, tpot, itl or "
+                                 "e2el, STAT mean, median, p50, p90 or p99 (e.g. ttft_p99_ms=500,tpot_p99_ms=50). "
+                                 "The scenario's slo: objectives apply per request with --attainment")
+    c.add_argument("--attainment", type=float, default=0.99,
+                   help="share of requests that must meet the scenario's per-request objectives (default 0.99)")
+    c.add_argument("--target-rate", type=float, metavar="REQ_S", help="report the GPUs needed to serve this rate")
+    c.add_argument("--tolerance", type=float, default=0.02, help="relative width of the final bracket (default 0.02)")
+    c.add_argument("--repeats", type=int, default=1, help="runs per rate with successive seeds (default 1)")
+    c.add_argument("--price", metavar="DEVICE=USD", help="price per device-hour in place of the device YAML's")
+    c.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario field")
+    c.add_argument("--out", default="results", help="results folder (default results/)")
+    c.add_argument("--plots", default="plots", help="plots folder (default plots/)")
+    c.add_argument("--no-plots", action="store_true", help="skip the figure")
+    c.set_defaults(handler=cmd_capacity)
     from simengine.validate.cli import add_subcommands
     add_subcommands(sub)
     ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
@@ -96,6 +113,70 @@ def cmd_run(args) -> int:
     print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
                                                              else ""))
     return EXIT_OK
+
+
+def cmd_capacity(args) -> int:
+    from simengine.config.scenario import load_scenario, resolve_scenario_path
+    from simengine.planning import output
+    from simengine.planning.capacity import parse_slo, rated, requests_per_run, search
+    from simengine.sim.runner import build_deployment, build_engine
+
+    scenario = load_scenario(args.scenario, args.set)
+    engines = _engines_arg(args.engines, scenario)
+    limits = parse_slo(args.slo)
+    if args.target_rate is not None and not 0 < args.target_rate < 1e9:
+        raise InputError(f"must be a rate in requests per second > 0, got {args.target_rate:g}", field="--target-rate")
+    try:
+        dep = build_deployment(scenario)
+        for e in engines:  # every engine checked before any runs
+            build_engine(e, dep)
+        rated(scenario)
+        requests_per_run(scenario)
+    except InputError as exc:
+        raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
+    hw = dep.hardware
+    price, source = hw.price_usd_per_hour, f"price_usd_per_hour in {hw.name}'s hardware YAML (its source there)"
+    if args.price:
+        device, eq, usd = args.price.partition("=")
+        if device != hw.name or not eq:
+            raise InputError(f"give DEVICE=USD for the scenario's device, e.g. --price {hw.name}=2.5", field="--price")
+        try:
+            price, source = float(usd), "--price"
+        except ValueError:
+            raise InputError(f"'{usd}' is not a price in USD per device-hour", field="--price") from None
+        if not 0 <= price < 1e6:
+            raise InputError(f"must be between 0 and 1e6 USD per device-hour, got {price:g}", field="--price")
+
+    def progress(label, point):
+        if sys.stderr.isatty():
+            print(f"  {label}: {point.rate:.4g} req/s {'meets' if point.feasible else 'fails: ' + point.why}",
+                  file=sys.stderr)
+    caps = {e.display: search(scenario, e, limits, attainment=args.attainment, tolerance=args.tolerance,
+                              repeats=args.repeats, progress=progress) for e in engines}
+    d = scenario.deployment
+    what = " and ".join(filter(None, [", ".join(map(str, limits)),
+                                      f"{100 * args.attainment:g}% of requests within {_objectives(scenario.slo)}"
+                                      if scenario.slo.any else ""]))
+    meta = {"scenario": scenario.name, "hardware": d.hardware, "model": d.model, "replicas": d.replicas,
+            "tp": d.tp, "pp": d.pp, "limits": [str(x) for x in limits],
+            "objectives": _objectives(scenario.slo) if scenario.slo.any else None, "attainment": args.attainment,
+            "tolerance": args.tolerance, "repeats": args.repeats, "target_rate_req_s": args.target_rate}
+    path = output.write(Path(args.out) / scenario.name, meta, caps, args.target_rate, price, source)
+    figure = None
+    if not args.no_plots:
+        figure = output.figure(caps, limits, args.attainment if scenario.slo.any else None,
+                               f"{scenario.name}: capacity within {what} ({d.model} on {d.replicas}x"
+                               f"{d.tp * d.pp} {d.hardware})", Path(args.plots) / scenario.name / "capacity.png")
+    print(f"{scenario.name}: capacity within {what}; {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} "
+          f"{d.hardware}, seed {scenario.seed}, bracket {100 * args.tolerance:g}%")
+    print(output.table(caps, args.target_rate, price))
+    print(f"results: {path}" + (f"  figure: {figure}" if figure else ""))
+    return EXIT_OK
+
+
+def _objectives(slo) -> str:
+    return ", ".join(f"{k} {v:g} ms" for k, v in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms), ("E2E", slo.e2el_ms))
+                     if v is not None)
 
 
 def cmd_list(args) -> int:

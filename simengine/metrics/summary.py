@@ -46,6 +46,50 @@ def meets_slo(lat: dict[str, np.ndarray], slo: SloConfig) -> np.ndarray:
     return good
 
 
+# Requests needed in the second half of the arrival window to judge whether completions kept up with arrivals.
+BALANCE_MIN_ARRIVALS = 50
+
+
+def arrival_balance(rec: Recorder) -> tuple[float | None, bool | None]:
+    """(offered rate, kept up): the arrival rate over the arrival window (first to last send; None when all came
+    at once), and whether the requests that finished (completed or failed) in the window's second half number at
+    least the arrivals in it, within a tolerance of max(10%, 3 / sqrt(arrivals)): a stable engine finishes as
+    many as arrive, an overloaded one only its service rate while its backlog grows. None when that half holds
+    fewer than BALANCE_MIN_ARRIVALS arrivals."""
+    first, last, n = float("inf"), float("-inf"), 0
+    for rows in rec.request_rows():
+        if len(rows):
+            first, last = min(first, float(rows["arrival_s"].min())), max(last, float(rows["arrival_s"].max()))
+            n += len(rows)
+    if n < 2 or last - first <= 1e-9:
+        return None, None
+    mid = 0.5 * (first + last)
+    arrived = finished = 0
+    for rows in rec.request_rows():
+        arrived += int(((rows["arrival_s"] >= mid) & (rows["arrival_s"] <= last)).sum())
+        done = rows["status"] != 2
+        finish = rows["finish_s"][done]
+        finished += int(((finish >= mid) & (finish <= last)).sum())
+    offered = (n - 1) / (last - first)
+    if arrived < BALANCE_MIN_ARRIVALS:
+        return offered, None
+    return offered, finished >= arrived * (1 - max(0.1, 3 / arrived ** 0.5))
+
+
+def slo_attainment(rec: Recorder, slo: SloConfig) -> float | None:
+    """The share of all requests (failed and unfinished ones miss) that completed meeting every objective; None
+    without objectives."""
+    if not slo.any:
+        return None
+    good = total = 0
+    for rows in rec.request_rows():
+        done = rows["status"] == COMPLETED
+        lat = latencies_ms(rows[done])
+        good += int(meets_slo(lat, slo).sum())
+        total += len(rows)
+    return good / total if total else None
+
+
 class _Totals:
     """Counts and sums of one set of requests (all, or one class) over the chunks."""
 
@@ -129,13 +173,15 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
     # Overloaded: more than 5% of arrivals were still queued when the drain limit cut the run, or were turned away
     # by the engine's own load limit (HTTP 429, e.g. TGI max_concurrent_requests; such reasons start with "429").
     backlog = total.unfinished if end_s > horizon_s else 0
-    overloaded = bool(backlog + total.shed > 0.05 * max(total.requests, 1))
+    offered, kept_up = arrival_balance(rec)
+    overloaded = bool(backlog + total.shed > 0.05 * max(total.requests, 1)) or kept_up is False
     summary = {
         "num_requests": total.requests,
         "completed": total.completed,
         "failed": total.failed,
         "unfinished": total.unfinished,
         "overloaded": overloaded,
+        "offered_rate": offered,
         "duration": duration,
         "total_input_tokens": total.in_tokens,
         "total_output_tokens": total.out_tokens,

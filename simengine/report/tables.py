@@ -26,9 +26,20 @@ def side_by_side(summaries: dict[str, dict]) -> pd.DataFrame:
             if key == "median_e2el_ms" and v is not None:
                 v = v / 1e3
             row[header] = "-" if v is None else fmt.format(v)
+            if key == "cost_per_1m_output_tokens_usd" and v is not None and s.get("overloaded"):
+                row[header] += OVERLOADED_MARK
         rows[label] = row
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+OVERLOADED_MARK = "!"
+
+
 def format_table(summaries: dict[str, dict]) -> str:
-    return side_by_side(summaries).to_string()
+    """The table, and under it what a marked cost means."""
+    text = side_by_side(summaries).to_string()
+    if any(s.get("overloaded") for s in summaries.values()):
+        text += (f"\n{OVERLOADED_MARK} overloaded (finishes fell behind arrivals, a backlog was left at the drain, or "
+                 "requests were refused): the cost is a saturated deployment's, not that of serving the offered "
+                 "rate; `simengine capacity` finds the rate it can serve")
+    return text

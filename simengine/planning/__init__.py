@@ -1,0 +1,1 @@
+"""Planning: capacity under an SLO."""
