@@ -9,6 +9,9 @@ model's cost on record; a bare SimPy loop of 1M timeouts as the machine referenc
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
 (`--repeat`, default 3) and the fastest counts. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
+Planning: `sweep_seconds_200`, a 200-point sweep (10 engines x 4 devices x 5 rates, 2,000 requests each) on this
+machine's cores, and `capacity_runs`, the simulations one capacity search (vLLM, p99 TTFT <= 2 s) needs;
+`--planning` measures only these and merges them into an existing bench.json.
 """
 
 from __future__ import annotations
@@ -77,6 +80,37 @@ def child(args) -> None:
     print(json.dumps(out))
 
 
+def planning(rate: float) -> dict:
+    """The sweep and capacity figures (wall seconds of the whole sweep; simulations of one search)."""
+    import os
+    import tempfile
+
+    import yaml
+
+    from simengine.config.loader import from_dict
+    from simengine.config.scenario import Scenario
+    from simengine.engines import ENGINES
+    from simengine.planning import capacity
+    from simengine.planning import sweep as sw
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sc_path = Path(tmp) / "bench_sweep.yaml"
+        sc_path.write_text(yaml.safe_dump(scenario_dict(2000, rate, "vllm")))
+        engines = [e for e in ENGINES.names() if e != "generic"]
+        grid = sw.Grid({"engine": engines, "deployment.hardware": ["h100_sxm", "h200_sxm", "a100_80g_sxm", "l40s"],
+                        "workload.arrival.rate": [round(f * rate, 3) for f in (0.2, 0.4, 0.6, 0.8, 1.0)]})
+        t0 = time.perf_counter()
+        csv = sw.sweep(str(sc_path), [], grid, Path(tmp) / "sweep", jobs=os.cpu_count() or 1)
+        seconds = time.perf_counter() - t0
+        import pandas as pd
+        table = pd.read_csv(csv)
+        sc = from_dict(Scenario, scenario_dict(2000, rate, "vllm"), source="bench")
+        cap = capacity.search(sc, sc.engines[0], capacity.parse_slo("ttft_p99_ms=2000"))
+    return {"sweep_points": len(table), "sweep_points_ok": int((table["status"] == "ok").sum()),
+            "sweep_jobs": os.cpu_count() or 1, "sweep_seconds_200": round(seconds, 2), "capacity_runs": cap.runs,
+            "capacity_req_s": round(cap.rate, 3)}
+
+
 def write_profile(prof: cProfile.Profile, path: str, what: str, top: int = 25) -> None:
     """The top entries by own time, paths shortened to the repository."""
     buf = io.StringIO()
@@ -110,6 +144,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement up to 10k requests; the best counts")
     p.add_argument("--profile", type=int, metavar="N", help="profile the vLLM run at N requests and stop")
     p.add_argument("--profile-out", default="")
+    p.add_argument("--planning", action="store_true", help="measure only the sweep and capacity figures and merge "
+                                                           "them into --out")
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -118,6 +154,14 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     capacity = measure("vllm", 2000)["request_throughput"]  # offline: the replica's saturated throughput
     rate = round(0.9 * capacity, 3)
+    if args.planning:
+        old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        figures = planning(old.get("rate_req_s") or rate)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**old, **figures}, indent=2) + "\n")
+        for k, v in figures.items():
+            print(f"{k:34s} {v!s:>12s}")
+        return
     if args.profile:
         out = str(Path(args.out).with_name(f"profile_vllm_{args.profile}.txt"))
         r = measure("vllm", args.profile, rate, profile_out=out)
@@ -164,13 +208,15 @@ def main() -> None:
         "worst_measured_to_roofline_10k": round(max(per_engine[e]["seconds"] / r["seconds"]
                                                     for e, r in roofline.items()), 2),
         "runs": {str(n): r for n, r in runs.items()},
+        **planning(rate),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'measurement':34s} {'value':>12s}")
     for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "seconds_10m", "requests_per_s_10k",
               "steps_per_s_10k", "peak_rss_mb_1m", "peak_rss_mb_10m", "scaling_exponent", "ratio_10k_to_simpy_1m",
-              "cpu_seconds_10k", "measured_kernels_installed", "worst_measured_to_roofline_10k"):
+              "cpu_seconds_10k", "measured_kernels_installed", "worst_measured_to_roofline_10k",
+              "sweep_seconds_200", "capacity_runs"):
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():
         print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm; "

@@ -53,6 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plots", default="plots", help="plots folder (default plots/)")
     c.add_argument("--no-plots", action="store_true", help="skip the figure")
     c.set_defaults(handler=cmd_capacity)
+    w = sub.add_parser("sweep", help="simulate every combination of a grid's axes into one resumable table")
+    w.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file")
+    w.add_argument("--grid", required=True, help="YAML file: axes: {dotted.path or engine: [values]} "
+                                                "(docs/planning.md)")
+    w.add_argument("--executor", default="local", help="local (a process pool, default) or ray")
+    w.add_argument("--address", help="the Ray cluster to use (default: a local Ray with --jobs CPUs)")
+    w.add_argument("--jobs", type=int, default=0, help="parallel simulations (default: this machine's cores)")
+    w.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario field")
+    w.add_argument("--out", default="results", help="results folder (default results/)")
+    w.add_argument("--plots", default="plots", help="plots folder (default plots/)")
+    w.add_argument("--no-plots", action="store_true", help="skip the Pareto figure")
+    w.set_defaults(handler=cmd_sweep)
     from simengine.validate.cli import add_subcommands
     add_subcommands(sub)
     ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
@@ -171,6 +183,45 @@ def cmd_capacity(args) -> int:
           f"{d.hardware}, seed {scenario.seed}, bracket {100 * args.tolerance:g}%")
     print(output.table(caps, args.target_rate, price))
     print(f"results: {path}" + (f"  figure: {figure}" if figure else ""))
+    return EXIT_OK
+
+
+def cmd_sweep(args) -> int:
+    from simengine.config.scenario import load_scenario
+    from simengine.planning import sweep as sw
+
+    scenario = load_scenario(args.scenario, args.set)
+    grid = sw.load_grid(args.grid, [e.display if not e.params else {"engine": e.engine, "label": e.display,
+                                                                    "params": e.params}
+                                    for e in scenario.engines])
+    points = grid.points()
+    for p in points:   # every point's configuration is read before any runs: a typo stops the sweep here
+        try:
+            load_scenario(args.scenario, args.set + sw.overrides(p))
+        except InputError as exc:
+            where = ", ".join(f"{k}={sw.label(v)}" for k, v in p.items())
+            raise InputError(f"the point {where}: {exc}", field="--grid") from None
+    name = f"sweep_{Path(args.grid).stem}"
+    out = Path(args.out) / scenario.name / name
+
+    def progress(k, n, row):
+        if sys.stderr.isatty():
+            print(f"\r  {k}/{n} points", end="" if k < n else "\n", file=sys.stderr, flush=True)
+    _progress.update(kept=f"the points finished so far in {out}/points.csv (a rerun resumes)")
+    csv = sw.sweep(args.scenario, args.set, grid, out, jobs=args.jobs, executor=args.executor,
+                   address=args.address, progress=progress)
+    parquet = sw.write_parquet(csv)
+    import pandas as pd
+    table = pd.read_csv(csv)
+    failed = table[table["status"] != "ok"]
+    print(f"{scenario.name}: {len(points)} points of {' x '.join(f'{k} ({len(v)})' for k, v in grid.axes.items())}; "
+          f"{len(table) - len(failed)} ok, {len(failed)} failed")
+    for _, r in failed.head(5).iterrows():
+        print(f"  failed: {', '.join(f'{k}={r[k]}' for k in grid.axes)}: {r['reason']}")
+    if not args.no_plots:
+        fig = sw.figure(csv, f"{scenario.name}: {name}", Path(args.plots) / scenario.name / f"{name}_pareto.png")
+        print(f"figure: {fig}")
+    print(f"results: {csv}" + (f" and {parquet.name}" if parquet else ""))
     return EXIT_OK
 
 
