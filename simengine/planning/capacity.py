@@ -161,9 +161,10 @@ def at_rate(scenario: Scenario, rate: float, seed: int) -> Scenario:
 
 
 def offline(scenario: Scenario) -> Scenario:
-    """The workload sent all at once: what the engine serves when saturated."""
+    """The workload sent all at once: what the engine serves when saturated (within the scenario's drain_s: what
+    is left then counts as not served, so an engine that stalls cannot stretch the run)."""
     wl = scenario.workload
-    return dataclasses.replace(scenario, horizon_s=NO_HORIZON_S, workload=dataclasses.replace(
+    return dataclasses.replace(scenario, horizon_s=0.0, workload=dataclasses.replace(
         wl, num_requests=min(requests_per_run(scenario), OFFLINE_MAX_REQUESTS),
         arrival=dataclasses.replace(wl.arrival, process="offline")))
 

@@ -223,3 +223,17 @@ def test_end_to_end_conservation_and_invariants(deployment, params):
     assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"] > 5
     assert s["completed"] > 0 and s["prefix_cache_hit_rate"] > 0
     assert (r.steps["prefill_tokens"] + r.steps["decode_tokens"] <= 8192).all()
+
+
+def test_a_refusal_mid_run_lets_the_waiting_requests_go_on():
+    """Three long requests, one at a time in an 8k-token pool: each outgrows the pool while decoding and is
+    refused. The refusal frees its pages, so the next waiting one starts at once instead of waiting for an
+    arrival that never comes (before: two were left unfinished forever)."""
+    from simengine.config.scenario import load_scenario
+    sc = load_scenario("selector_high_throughput", [
+        "engines=[mlc]", "workload.num_requests=3", "workload.arrival={process: offline}", "horizon_s=0",
+        "drain_s=100000", "workload.input_tokens={dist: constant, value: 7000}",
+        "workload.output_tokens={dist: constant, value: 2000}"])
+    s = run_engine(sc, sc.engines[0]).summary
+    assert s["failed"] == 3 and s["unfinished"] == 0
+    assert all("outgrew max_total_sequence_length" in k for k in s["failure_reasons"])
