@@ -53,6 +53,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--plots", default="plots", help="plots folder (default plots/)")
     c.add_argument("--no-plots", action="store_true", help="skip the figure")
     c.set_defaults(handler=cmd_capacity)
+    r = sub.add_parser("recommend", help="rank every engine that runs on the scenario's device, with the evidence")
+    r.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file (open-loop arrivals at a rate)")
+    r.add_argument("--priority", default="balanced", help="throughput (capacity per GPU), latency (p99 TTFT at the "
+                                                          "scenario's rate), cost (per 1M output tokens at capacity) "
+                                                          "or balanced (their geometric mean; default)")
+    r.add_argument("--engines", help="comma-separated engines to rank (default: every engine that runs there)")
+    r.add_argument("--slo", help="statistic limits for the capacity search, as for `simengine capacity`")
+    r.add_argument("--attainment", type=float, default=0.99, help="as for `simengine capacity` (default 0.99)")
+    r.add_argument("--tolerance", type=float, default=0.02, help="as for `simengine capacity` (default 0.02)")
+    r.add_argument("--price", metavar="DEVICE=USD", help="price per device-hour in place of the device YAML's")
+    r.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario field")
+    r.add_argument("--out", default="results", help="results folder (default results/)")
+    r.set_defaults(handler=cmd_recommend)
     w = sub.add_parser("sweep", help="simulate every combination of a grid's axes into one resumable table")
     w.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file")
     w.add_argument("--grid", required=True, help="YAML file: axes: {dotted.path or engine: [values]} "
@@ -146,18 +159,7 @@ def cmd_capacity(args) -> int:
         requests_per_run(scenario)
     except InputError as exc:
         raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
-    hw = dep.hardware
-    price, source = hw.price_usd_per_hour, f"price_usd_per_hour in {hw.name}'s hardware YAML (its source there)"
-    if args.price:
-        device, eq, usd = args.price.partition("=")
-        if device != hw.name or not eq:
-            raise InputError(f"give DEVICE=USD for the scenario's device, e.g. --price {hw.name}=2.5", field="--price")
-        try:
-            price, source = float(usd), "--price"
-        except ValueError:
-            raise InputError(f"'{usd}' is not a price in USD per device-hour", field="--price") from None
-        if not 0 <= price < 1e6:
-            raise InputError(f"must be between 0 and 1e6 USD per device-hour, got {price:g}", field="--price")
+    price, source = _price(args.price, dep.hardware)
 
     def progress(label, point):
         if sys.stderr.isatty():
@@ -183,6 +185,92 @@ def cmd_capacity(args) -> int:
           f"{d.hardware}, seed {scenario.seed}, bracket {100 * args.tolerance:g}%")
     print(output.table(caps, args.target_rate, price))
     print(f"results: {path}" + (f"  figure: {figure}" if figure else ""))
+    return EXIT_OK
+
+
+def _price(arg: str | None, hw) -> tuple[float | None, str]:
+    """The device's price per hour and where it comes from (--price DEVICE=USD in place of the YAML's)."""
+    price, source = hw.price_usd_per_hour, f"price_usd_per_hour in {hw.name}'s hardware YAML (its source there)"
+    if not arg:
+        return price, source
+    device, eq, usd = arg.partition("=")
+    if device != hw.name or not eq:
+        raise InputError(f"give DEVICE=USD for the scenario's device, e.g. --price {hw.name}=2.5", field="--price")
+    try:
+        price = float(usd)
+    except ValueError:
+        raise InputError(f"'{usd}' is not a price in USD per device-hour", field="--price") from None
+    if not 0 <= price < 1e6:
+        raise InputError(f"must be between 0 and 1e6 USD per device-hour, got {price:g}", field="--price")
+    return price, "--price"
+
+
+def cmd_recommend(args) -> int:
+    import json
+
+    import pandas as pd
+
+    from simengine.config.scenario import load_scenario, resolve_scenario_path
+    from simengine.planning.capacity import parse_slo, rated, requests_per_run
+    from simengine.planning.recommend import PRIORITIES, recommend, why
+    from simengine.sim.runner import build_deployment
+
+    scenario = load_scenario(args.scenario, args.set)
+    engines = _engines_arg(args.engines, scenario) if args.engines else None
+    limits = parse_slo(args.slo)
+    if args.priority not in PRIORITIES:
+        raise InputError(f"'{args.priority}' is not a priority; use one of {', '.join(PRIORITIES)}",
+                         field="--priority")
+    try:
+        dep = build_deployment(scenario)
+        rated(scenario)
+        requests_per_run(scenario)
+    except InputError as exc:
+        raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
+    if not limits and not scenario.slo.any:
+        raise InputError("give a latency limit: --slo (e.g. ttft_p99_ms=500) or per-request objectives in the "
+                         "scenario's slo: section", field="--slo")
+    price, source = _price(args.price, dep.hardware)
+
+    def progress(label, text):
+        if sys.stderr.isatty():
+            print(f"  {label}: {text}", file=sys.stderr)
+    ranked = recommend(scenario, limits, priority=args.priority, attainment=args.attainment,
+                       tolerance=args.tolerance, engines=engines, price=price, progress=progress)
+    d, rate = scenario.deployment, scenario.workload.arrival.rate
+    rows = {}
+    for i, r in enumerate(ranked, 1):
+        s = r.at_rate
+        rows[f"{i}. {r.label}"] = {
+            "score": f"{r.score:.2f}", "capacity req/s/GPU": f"{r.capacity.rate_per_device:.3g}",
+            f"p99 TTFT @{rate:g}/s": "overloaded" if s["overloaded"] else f"{s['p99_ttft_ms']:.0f} ms"
+            if s.get("p99_ttft_ms") is not None else "-",
+            "p99 TPOT": "-" if s.get("p99_tpot_ms") is None else f"{s['p99_tpot_ms']:.1f} ms",
+            "$/1M out": "-" if r.cost is None else f"{r.cost:.3f}",
+            "prefix hit": f"{s['prefix_cache_hit_rate']:.0%}", "KV pool tok": f"{s['kv_capacity_tokens']:,}"}
+    print(f"{scenario.name}: engines ranked by {args.priority} on {d.model} ({d.weight_dtype}) on "
+          f"{d.replicas}x{d.tp * d.pp} {d.hardware}")
+    print(pd.DataFrame.from_dict(rows, orient="index").to_string())
+    reason = why(ranked[0], ranked[1]) if len(ranked) > 1 else f"{ranked[0].label} is the only engine that runs"
+    print(f"recommended: {ranked[0].label} ({reason})")
+    out = Path(args.out) / scenario.name
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"scenario": scenario.name, "priority": args.priority, "limits": [str(x) for x in limits],
+           "attainment": args.attainment, "price_usd_per_hour": price, "price_source": source,
+           "recommended": ranked[0].label, "why": reason,
+           "ranking": [{"engine": r.label, "score": round(r.score, 4),
+                        "capacity_req_s_per_device": round(r.capacity.rate_per_device, 4),
+                        "capacity_limited_by": r.capacity.why_not_higher,
+                        "cost_per_1m_output_tokens_usd": None if r.cost is None else round(r.cost, 4),
+                        "at_scenario_rate": {k: r.at_rate.get(k) for k in (
+                            "overloaded", "p99_ttft_ms", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms",
+                            "prefix_cache_hit_rate", "kv_capacity_tokens", "mean_batch_size", "preemptions",
+                            "failed")}} for r in ranked]}
+    path = out / f"recommend_{args.priority}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    print(f"results: {path}")
     return EXIT_OK
 
 

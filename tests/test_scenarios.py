@@ -12,8 +12,9 @@ TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "trace
 
 def short(name: str):
     sc = load_scenario(name)
-    sets = ["horizon_s=6", "drain_s=120"]
     wl = sc.workload
+    rate = wl.arrival.rate if wl.sessions is None and wl.trace is None else None
+    sets = [f"horizon_s={max(6, 8 / rate) if rate else 6:g}", "drain_s=120"]   # a few arrivals at a low rate too
     if wl.num_requests or wl.arrival.process == "offline":
         sets.append("workload.num_requests=24")
     if wl.sessions is not None and wl.sessions.population:

@@ -43,6 +43,7 @@ class EnginePolicy(ABC):
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
+    research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False
     # whose measured kernel tables price the engine's GPU work (cost/measured.py): its own backend, or the nearest

@@ -54,6 +54,7 @@ class OrcaEngine(PagedEngine):
     # nearest measured backend: modelled on a PyTorch stack with cuBLAS GEMMs and flash-attention kernels
     kernel_backend = "vllm"
     device_classes = ALL_CLASSES
+    research_baseline = True
     support_source = ("research policy (OSDI'22; the system was never released): modelled as a scheduling policy "
                       "on any accelerator, as Vidur and Sarathi-Serve reimplement it")
 

@@ -60,6 +60,7 @@ class SarathiEngine(PagedEngine):
     vendors = ALL_VENDORS
     kernel_backend = "vllm"  # nearest measured backend: sarathi-serve is built on vLLM's kernels
     device_classes = ALL_CLASSES
+    research_baseline = True
     support_source = ("research policy (OSDI'24, microsoft/sarathi-serve runs on NVIDIA CUDA only); modelled "
                       "as a scheduling policy on any accelerator, like its Vidur reimplementation")
 

@@ -45,6 +45,7 @@ class StaticEngine(EnginePolicy):
     # nearest measured backend: PyTorch/transformers GEMMs are cuBLAS, attention SDPA/flash-attention
     kernel_backend = "vllm"
     device_classes = ALL_CLASSES
+    research_baseline = True
     support_source = ("research/baseline policy, not a product: PyTorch + transformers run on CUDA, ROCm, Ascend "
                       "(torch_npu), Apple MPS, Intel XPU/Gaudi and CPUs (transformers installation docs)")
 

@@ -128,3 +128,98 @@ def test_claim6b_tgi_worst_case_reservation_runs_fewer_requests_than_vllm():
     # while requests are still queued, memory is the only limit on how many run at once
     busy_tgi, busy_vllm = tgi[tgi["num_waiting"] > 0], vllm[vllm["num_waiting"] > 0]
     assert busy_tgi["num_running"].mean() < 0.7 * busy_vllm["num_running"].mean()
+
+
+# ---- second round (docs/recommend.md 'The brief's claims, second round') ------------------------------------------
+def _decode_throughput(engine, weight_dtype, users):
+    sc = make_scenario(deployment={"hardware": "a100_80g_sxm", "model": "llama-2-7b", "weight_dtype": weight_dtype},
+                       workload={"arrival": {"process": "closed_loop", "concurrency": users}, "num_requests": 60,
+                                 "input_tokens": {"dist": "constant", "value": 512},
+                                 "output_tokens": {"dist": "constant", "value": 512}}, horizon_s=1e9, drain_s=1e9)
+    return run(sc, engine).summary["output_throughput"]
+
+
+def test_claim7_lmdeploy_4bit_weights_speed_up_decode_most_at_one_user():
+    """002: "LMDeploy's 4-bit inference is 2.4x as fast as FP16". W4A16 reads a quarter of the weight bytes per
+    decode step; at one user the step is bound by those reads, so 4-bit is much faster (we give 1.9x on an A100: the
+    KV reads, the step's host time and the launch floor do not shrink). With 16 users the step moves toward the
+    compute and the KV, and the gain falls. Reproduced in direction, below the claimed factor."""
+    one = _decode_throughput("lmdeploy", "int4", 1) / _decode_throughput("lmdeploy", "fp16", 1)
+    many = _decode_throughput("lmdeploy", "int4", 16) / _decode_throughput("lmdeploy", "fp16", 16)
+    assert 1.5 < one < 3.0
+    assert 1.0 < many < one
+
+
+def _system_prompt_run(system_tokens, prefix_caching):
+    """800 requests of 2,450 user tokens behind a system prompt, ~400 output tokens, offline, on an A100 40GB whose
+    KV pool holds about 58 of them: memory, not max_num_seqs, caps the batch near the brief's 64."""
+    sc = make_scenario(deployment={"hardware": "a100_40g_sxm", "model": "llama-3.1-8b"},
+                       workload={"arrival": {"process": "offline"}, "num_requests": 800,
+                                 "shared_prefix_tokens": system_tokens,
+                                 "input_tokens": {"dist": "constant", "value": 2450 + system_tokens},
+                                 "output_tokens": {"dist": "lognormal", "mean": 400, "sigma": 0.3, "max": 1200}},
+                       horizon_s=0.0, drain_s=1e5)
+    res = run(sc, "vllm", enable_prefix_caching=prefix_caching)
+    busy = res.steps[res.steps["num_waiting"] > 0]
+    running = float((busy["num_running"] * busy["step_s"]).sum() / busy["step_s"].sum())
+    return running, res.summary["output_throughput"]
+
+
+def test_claim8_a_shorter_system_prompt_admits_more_requests_only_without_prefix_caching():
+    """003: compressing the system prompt from 150 to 20 tokens schedules 2-3 more requests at batch 64 and raises
+    throughput 5-8%. Without prefix caching every request holds its own copy, so 130 tokens less each frees room
+    for about 2.8 more requests and throughput rises about 5%: reproduced. With prefix caching (vLLM's default) the
+    prompt's blocks are shared by all, so compressing it frees almost nothing: under 0.5 more requests."""
+    r150, t150 = _system_prompt_run(150, False)
+    r20, t20 = _system_prompt_run(20, False)
+    assert 1.5 <= r20 - r150 <= 4.0
+    assert 1.02 <= t20 / t150 <= 1.10
+    c150, _ = _system_prompt_run(150, True)
+    c20, _ = _system_prompt_run(20, True)
+    assert abs(c20 - c150) < 0.5
+
+
+def test_claim9_awq_4bit_70b_fits_one_a100_80gb_under_tgi():
+    """003: AWQ/GPTQ compress a 70B model onto one A100 80GB under TGI. 4-bit weights with group-128 scales take
+    about 36 GiB, which leaves TGI a KV pool of over 100k tokens; FP16 weights (131 GiB) do not fit at all."""
+    from simengine.errors import InputError
+    from simengine.sim.runner import build_deployment, build_engine
+
+    def engine(weight_dtype):
+        sc = make_scenario(deployment={"hardware": "a100_80g_sxm", "model": "llama-3-70b",
+                                       "weight_dtype": weight_dtype}, engines=["tgi"])
+        return build_engine(sc.engines[0], build_deployment(sc))
+    assert engine("int4").kv_capacity_tokens() > 100_000
+    with pytest.raises(InputError, match="does not fit"):
+        engine("fp16")
+
+
+def test_claim10_brief_003_benchmark_trtllm_leads_tgi_and_ties_vllm():
+    """003's setting (scenarios/brief_003_benchmark.yaml: Llama-3-70B FP16 on 4x A100 80GB, 64 clients, 512 in and
+    256 out): "TensorRT-LLM leads vLLM and TGI in latency and throughput". It leads TGI in both and has the lowest
+    TPOT (its C++ executor's shorter host time per step); against vLLM its throughput is a tie (within 3%: both run
+    the same GEMMs at batch 64 and the step is GPU-bound), so that half is not reproduced."""
+    from simengine.api import compare
+    from simengine.config.scenario import load_scenario
+
+    res = {k: v.summary for k, v in compare(load_scenario("brief_003_benchmark")).items()}
+    trt, vllm, tgi = res["trtllm"], res["vllm"], res["tgi"]
+    assert trt["output_throughput"] > 1.05 * tgi["output_throughput"]
+    assert trt["median_tpot_ms"] < min(vllm["median_tpot_ms"], tgi["median_tpot_ms"])
+    assert abs(trt["output_throughput"] / vllm["output_throughput"] - 1) < 0.03
+
+
+def test_claim11_continuous_batching_keeps_slots_busy_static_does_not():
+    """003: continuous batching lifts GPU utilisation from 40-60% (static batching) to over 85% when lengths vary.
+    Measured as the share of batch slots doing work while requests wait: static batching keeps a finished
+    request's slot until the whole batch ends (about 40% busy with lognormal outputs, sigma 0.6), vLLM refills
+    it at the next step (over 95%). Reproduced."""
+    sc = mixed_offline(n=640, output_tokens={"dist": "lognormal", "mean": 200, "sigma": 0.6, "max": 1500})
+
+    def slot_use(res, slots):
+        busy = res.steps[res.steps["num_waiting"] > 0]
+        return float((busy["batch_size"] * busy["step_s"]).sum() / busy["step_s"].sum()) / slots
+    static = slot_use(run(sc, "static", batch_size=32), 32)
+    vllm = slot_use(run(sc, "vllm", max_num_seqs=32), 32)
+    assert 0.3 <= static <= 0.65
+    assert vllm > 0.95

@@ -1,0 +1,124 @@
+"""Engine recommendation from simulated evidence: every engine that runs on the scenario's device (and the knob
+variants the scenario lists) is run at the scenario's own rate and put through a capacity search, then ranked by
+a priority, each with the figures that decided it and a line of why from the runs themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simengine.config.scenario import EngineEntry, Scenario
+from simengine.errors import InputError
+from simengine.planning.capacity import Capacity, StatLimit, search
+
+PRIORITIES = ("throughput", "latency", "cost", "balanced")
+
+# Figures that tell engines apart by mechanism, compared between the winner and the runner-up: (summary key,
+# words, format, higher is better, smallest difference worth a word).
+EVIDENCE = (
+    ("prefix_cache_hit_rate", "prefix hit", "{:.0%}", True, 0.10),
+    ("kv_capacity_tokens", "KV pool", "{:,.0f} tokens", True, 0.15),
+    ("mean_batch_size", "mean batch", "{:.1f}", True, 0.15),
+    ("p99_ttft_ms", "p99 TTFT", "{:.0f} ms", False, 0.20),
+    ("p99_tpot_ms", "p99 TPOT", "{:.1f} ms", False, 0.15),
+    ("preemptions", "preemptions", "{:.0f}", False, 0.5),
+    ("failed", "failed requests", "{:.0f}", False, 0.5),
+)
+
+
+@dataclass
+class Ranked:
+    label: str
+    capacity: Capacity
+    at_rate: dict           # summary.json of the run at the scenario's own rate
+    score: float            # the priority's figure (higher ranks first)
+    price: float | None
+
+    @property
+    def cost(self) -> float | None:
+        return self.capacity.cost_per_1m_output_tokens(self.price)
+
+    @property
+    def latency_ms(self) -> float | None:
+        """p99 TTFT at the scenario's rate; None when that run was overloaded or no request completed."""
+        s = self.at_rate
+        return None if s["overloaded"] or s.get("p99_ttft_ms") is None else s["p99_ttft_ms"]
+
+
+def candidates(scenario: Scenario, dep) -> list[EngineEntry]:
+    """The scenario's engine entries, and every other registered engine that runs on its device with its defaults
+    (research baselines, static batching, Orca and Sarathi-Serve, only when the scenario lists them)."""
+    from simengine.engines import ENGINES
+
+    listed = list(scenario.engines)
+    names = {e.engine for e in listed}
+    hw = dep.hardware
+    for name in ENGINES.names():
+        cls = ENGINES.get(name)
+        if name in names or name == "generic" or cls.research_baseline:
+            continue
+        if hw.vendor in cls.vendors and hw.device_class in cls.device_classes:
+            listed.append(EngineEntry(engine=name))
+    return listed
+
+
+def _scores(ranked: list[Ranked], priority: str) -> None:
+    best_cap = max((r.capacity.rate_per_device for r in ranked), default=0.0) or 1.0
+    lat = [r.latency_ms for r in ranked if r.latency_ms]
+    best_lat = min(lat) if lat else 1.0
+    costs = [r.cost for r in ranked if r.cost]
+    best_cost = min(costs) if costs else 1.0
+    for r in ranked:
+        thr = r.capacity.rate_per_device / best_cap
+        fast = best_lat / r.latency_ms if r.latency_ms else 0.0
+        cheap = best_cost / r.cost if r.cost else 0.0
+        r.score = {"throughput": thr, "latency": fast, "cost": cheap,
+                   "balanced": (thr * fast * cheap) ** (1 / 3)}[priority]
+
+
+def why(first: Ranked, second: Ranked) -> str:
+    """The figures where the winner and the runner-up differ most, from their runs at the scenario's rate."""
+    out = []
+    for key, words, fmt, higher, least in EVIDENCE:
+        a, b = first.at_rate.get(key), second.at_rate.get(key)
+        if a is None or b is None:
+            continue
+        scale = max(abs(a), abs(b))
+        if scale == 0 or abs(a - b) / scale < least:
+            continue
+        better = (a > b) == higher
+        out.append((abs(a - b) / scale, f"{words} {fmt.format(a)} against {fmt.format(b)}"
+                                        f"{'' if better else ' (worse, outweighed)'}"))
+    cap_a, cap_b = first.capacity.rate_per_device, second.capacity.rate_per_device
+    head = f"{first.label} over {second.label}: capacity {cap_a:.3g} against {cap_b:.3g} req/s per GPU"
+    top = [text for _, text in sorted(out, key=lambda x: -x[0])[:3]]
+    return head + ("; " + "; ".join(top) if top else "; no mechanism figure differs by much")
+
+
+def recommend(scenario: Scenario, limits: list[StatLimit], *, priority: str = "balanced", attainment: float = 0.99,
+              tolerance: float = 0.02, engines: list[EngineEntry] | None = None, price: float | None = None,
+              progress=None) -> list[Ranked]:
+    """Every candidate engine ranked by `priority` (see the module's docstring)."""
+    from simengine.api import run_engine
+    from simengine.sim.runner import build_deployment, build_engine
+
+    if priority not in PRIORITIES:
+        raise InputError(f"'{priority}' is not a priority; use one of {', '.join(PRIORITIES)}", field="--priority")
+    dep = build_deployment(scenario)
+    ranked = []
+    for entry in engines or candidates(scenario, dep):
+        try:
+            build_engine(entry, dep)
+        except InputError as exc:
+            if progress:
+                progress(entry.display, f"left out: {exc}")
+            continue
+        at_rate = run_engine(scenario, entry).summary
+        cap = search(scenario, entry, limits, attainment=attainment, tolerance=tolerance)
+        ranked.append(Ranked(entry.display, cap, at_rate, 0.0, price))
+        if progress:
+            progress(entry.display, f"{cap.rate:.3g} req/s")
+    if not ranked:
+        raise InputError(f"no engine runs on {dep.hardware.name} with this model", field="engines")
+    _scores(ranked, priority)
+    ranked.sort(key=lambda r: (-r.score, r.label))
+    return ranked

@@ -1,0 +1,81 @@
+"""Engine recommendation: every engine that runs on the device is ranked from its own runs, the priority decides
+the order, and the winner's lead is explained by the figures of the runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simengine.config.scenario import EngineEntry
+from simengine.planning.recommend import candidates, recommend, why
+from simengine.sim.runner import build_deployment
+from tests.conftest import make_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _scenario(**kw):
+    return make_scenario(horizon_s=100.0, workload__arrival__rate=6.0, slo={"ttft_ms": 1500, "tpot_ms": 60}, **kw)
+
+
+def test_candidates_are_the_listed_entries_and_every_engine_that_runs_there():
+    sc = _scenario(engines=["vllm", {"engine": "vllm", "label": "vllm-64", "params": {"max_num_seqs": 64}}])
+    labels = [e.display for e in candidates(sc, build_deployment(sc))]
+    assert labels[:2] == ["vllm", "vllm-64"]
+    assert {"sglang", "tgi", "lmdeploy", "trtllm", "llamacpp"} <= set(labels) and "generic" not in labels
+    edge = make_scenario(deployment={"hardware": "jetson_agx_orin_64g", "model": "llama-2-7b",
+                                     "weight_dtype": "q4_0"}, engines=["mlc"])
+    assert {e.engine for e in candidates(edge, build_deployment(edge))} <= {"mlc", "llamacpp", "vllm", "sglang",
+                                                                             "tgi", "lmdeploy", "trtllm", "orca",
+                                                                             "sarathi", "static"}
+
+
+def test_the_priority_orders_the_ranking():
+    sc = _scenario()
+    engines = [EngineEntry(engine="vllm"), EngineEntry(engine="static"), EngineEntry(engine="tgi")]
+    by_thr = recommend(sc, [], priority="throughput", engines=engines)
+    caps = [r.capacity.rate_per_device for r in by_thr]
+    assert caps == sorted(caps, reverse=True) and by_thr[0].score == 1.0
+    assert by_thr[-1].label == "static"          # no continuous batching: the lowest capacity
+    by_lat = recommend(sc, [], priority="latency", engines=engines)
+    lat = [r.latency_ms if r.latency_ms is not None else float("inf") for r in by_lat]
+    assert lat == sorted(lat)
+    assert all(0 <= r.score <= 1 for r in by_lat)
+
+
+def test_why_names_the_figures_that_differ():
+    sc = _scenario(workload__shared_prefix_tokens=2000)
+    ranked = recommend(sc, [], priority="throughput",
+                       engines=[EngineEntry(engine="vllm"),
+                                EngineEntry(engine="vllm", label="vllm-no-prefix-cache",
+                                            params={"enable_prefix_caching": False})])
+    assert ranked[0].label == "vllm"
+    text = why(ranked[0], ranked[1])
+    assert text.startswith("vllm over vllm-no-prefix-cache") and "prefix hit" in text
+
+
+def test_recommend_cli_prints_the_ranking_and_writes_its_evidence(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "simengine", "recommend", "selector_edge_device", "--priority",
+                        "latency", "--set", "horizon_s=2600", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "recommended:" in r.stdout
+    doc = json.loads(next(tmp_path.rglob("recommend_latency.json")).read_text())
+    assert {x["engine"] for x in doc["ranking"]} == {"mlc", "llamacpp"}
+    assert doc["recommended"] == doc["ranking"][0]["engine"]
+
+
+@pytest.mark.parametrize("args,field", [
+    (["selector_low_latency", "--priority", "fastest"], "--priority"),
+    (["agent_multiturn"], "workload.arrival"),
+    (["selector_low_latency", "--slo", "ttft"], "--slo"),
+])
+def test_recommend_refuses_with_one_line(args, field, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "simengine", "recommend", *args, "--out", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
+    assert not any(tmp_path.iterdir())
