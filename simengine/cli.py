@@ -190,7 +190,11 @@ def cmd_capacity(args) -> int:
 
 def _price(arg: str | None, hw) -> tuple[float | None, str]:
     """The device's price per hour and where it comes from (--price DEVICE=USD in place of the YAML's)."""
-    price, source = hw.price_usd_per_hour, f"price_usd_per_hour in {hw.name}'s hardware YAML (its source there)"
+    from simengine.config.hardware import REPO_ROOT
+    path = Path(hw.path)
+    where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    price = hw.price_usd_per_hour
+    source = f"price_usd_per_hour in {where}, {hw.price_source_date or 'undated'} (its source is the comment there)"
     if not arg:
         return price, source
     device, eq, usd = arg.partition("=")

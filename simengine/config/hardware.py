@@ -75,6 +75,7 @@ class Hardware:
     node_size: int
     tdp_w: float | None
     price_usd_per_hour: float | None
+    price_source_date: str | None = None   # when the price was read (its source is the comment beside it)
     gemm_fractions: dict[str, float]   # achieved / peak per compute dtype; key "default" for the others
     memory_bandwidth_fraction: float
     kernel_floor_s: float = 0.0
@@ -190,6 +191,7 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         link_bandwidth_bytes_s=y.interconnect.bandwidth_gb_s_per_direction * 1e9,
         link_latency_s=y.interconnect.latency_us * 1e-6,
         node_size=y.node_size, tdp_w=y.tdp_w, price_usd_per_hour=y.price_usd_per_hour,
+        price_source_date=None if y.price_source_date is None else str(y.price_source_date),
         gemm_fractions=fractions, memory_bandwidth_fraction=y.efficiency.memory_bandwidth_fraction,
         kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6, link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
         custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
