@@ -71,12 +71,12 @@ class EngineResult:
 
 
 def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False,
-               deadline: float | None = None) -> EngineResult:
+               deadline: float | None = None, progress=None) -> EngineResult:
     """Simulate one engine on the scenario's request stream; with `deadline` (a time.monotonic() value) the run
     stops there and its summary says `partial: true`."""
     t0 = time.perf_counter()
     runner = Runner(scenario, entry, check_invariants=check_invariants)
-    res = runner.run(deadline=deadline)
+    res = runner.run(deadline=deadline, progress=progress)
     dep = res.deployment
     hits = [e.prefix_hit_rate() for e in res.engines]
     summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s,
@@ -102,12 +102,19 @@ def engine_entries(scenario: Scenario, engines: list[EngineEntry | str] | None) 
 
 
 def compare(scenario: Scenario, engines: list[EngineEntry | str] | None = None, *,
-            max_wall_s: float | None = None, **kw) -> dict[str, EngineResult]:
+            max_wall_s: float | None = None, progress=None, **kw) -> dict[str, EngineResult]:
     """Every engine (entries or names; default the scenario's) on the identical request stream (same seed).
     `max_wall_s` bounds the whole comparison's wall time: an engine still running then stops where it is, later
-    ones simulate nothing; both are marked partial."""
+    ones simulate nothing; both are marked partial. `progress(label, k, n, simulated_s, requests_done)` is called
+    during each engine's run (a display only; see Runner.run)."""
     deadline = None if max_wall_s is None else time.monotonic() + max_wall_s
-    return {e.display: run_engine(scenario, e, deadline=deadline, **kw) for e in engine_entries(scenario, engines)}
+    entries = engine_entries(scenario, engines)
+    out = {}
+    for k, e in enumerate(entries, 1):
+        tick = None if progress is None else \
+            (lambda t, done, e=e, k=k: progress(e.display, k, len(entries), t, done))
+        out[e.display] = run_engine(scenario, e, deadline=deadline, progress=tick, **kw)
+    return out
 
 
 def _jsonable(obj):

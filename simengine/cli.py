@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="override a scenario field, e.g. --set workload.arrival.rate=4")
         s.add_argument("--no-plots", action="store_true", help="skip figures")
+        s.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal)")
         s.add_argument("--max-wall-s", type=float, metavar="SECONDS",
                        help="stop simulating after this many wall-clock seconds; results so far are written and "
                             "marked partial")
@@ -111,7 +112,12 @@ def cmd_run(args) -> int:
         dep = build_deployment(scenario)
         for e in engines:  # validate every engine before running any (no half-written results)
             build_engine(e, dep)
-        results = compare(scenario, engines, max_wall_s=args.max_wall_s)  # a trace or prompt it refuses: no write
+        bar = None if args.quiet or not sys.stderr.isatty() else _Progress(scenario)
+        try:
+            results = compare(scenario, engines, max_wall_s=args.max_wall_s, progress=bar)  # a refused trace or
+        finally:                                                                           # prompt: no write
+            if bar is not None:
+                bar.clear()
     except InputError as exc:  # name the scenario file the bad value came from
         raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
     _progress.update(kept=f"nothing new: results were being written ({out} is as it was)")
@@ -138,6 +144,24 @@ def cmd_run(args) -> int:
     print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
                                                              else ""))
     return EXIT_OK
+
+
+class _Progress:
+    """One line on the terminal, rewritten in place: which engine, simulated time against the horizon, requests."""
+
+    def __init__(self, scenario):
+        self.horizon_s, self.width = scenario.horizon_s, 0
+
+    def __call__(self, label: str, k: int, n: int, simulated_s: float, done: int) -> None:
+        share = min(simulated_s / self.horizon_s, 1.0) if self.horizon_s > 0 else 1.0
+        bar = "#" * int(20 * share)
+        line = f"  [{k}/{n}] {label}: [{bar:<20s}] {simulated_s:,.0f}/{self.horizon_s:,.0f} s simulated, {done:,} done"
+        print("\r" + line.ljust(self.width), end="", file=sys.stderr, flush=True)
+        self.width = len(line)
+
+    def clear(self) -> None:
+        if self.width:
+            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
 
 
 def cmd_capacity(args) -> int:

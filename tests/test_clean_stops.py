@@ -106,3 +106,17 @@ def test_max_wall_s_stops_with_results_marked_partial(tmp_path):
 def test_a_run_that_finishes_is_not_partial():
     _, res = _results()
     assert res["vllm"].summary["partial"] is False
+
+
+def test_progress_reporting_changes_nothing_simulated(monkeypatch):
+    """The progress callback reads the wall clock in the runner's loop only: the results are the same with it."""
+    from simengine.sim import runner
+    monkeypatch.setattr(runner, "PROGRESS_EVERY_S", 0.0)
+    sc = make_scenario(engines=["vllm", "sglang"], horizon_s=20.0)
+    calls = []
+    with_bar = compare(sc, progress=lambda *a: calls.append(a))
+    plain = compare(sc)
+    assert {k: v.summary for k, v in with_bar.items()} == {k: v.summary for k, v in plain.items()}
+    labels = [c[0] for c in calls]
+    assert "vllm" in labels and "sglang" in labels and labels.index("vllm") < labels.index("sglang")
+    assert all(c[2] == 2 and 0 <= c[3] and c[4] >= 0 for c in calls)

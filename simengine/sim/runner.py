@@ -29,6 +29,7 @@ from simengine.workload.generator import RequestFactory, SessionPlan
 # A closed-loop client whose request is refused at once waits this long before its next one (1 s, like a
 # client retry delay), so a refusal can never spin the simulation at one instant.
 REFUSAL_BACKOFF_S = 1.0
+PROGRESS_EVERY_S = 0.5   # wall-clock seconds between progress calls (a display only)
 
 
 def build_deployment(scenario: Scenario) -> Deployment:
@@ -367,22 +368,28 @@ class Runner:
             self.sources_open = 1
             self.env.process(self._open_loop())
 
-    def run(self, deadline: float | None = None) -> RunResult:
+    def run(self, deadline: float | None = None, progress=None) -> RunResult:
         """Simulate to the end (every request done, or horizon + drain); with `deadline` (a time.monotonic()
-        value) stop there instead, the run marked partial and what is in flight recorded as unfinished."""
+        value) stop there instead, the run marked partial and what is in flight recorded as unfinished.
+        `progress(simulated_s, requests_done)` is called about twice a wall-clock second (a display only)."""
         self.start_sources()
         self.start_failures()
         limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
         end = self.env.any_of([self.all_done, limit])
         partial = False
-        if deadline is None:
+        if deadline is None and progress is None:
             self.env.run(until=end)
         else:   # the wall clock is read here only, every 4096 events, never by a policy
-            events = 0
+            events, shown = 0, time.monotonic()
             while not end.processed and self.env.peek() != simpy.core.Infinity:
-                if events % 4096 == 0 and time.monotonic() >= deadline:
-                    partial = True
-                    break
+                if events % 4096 == 0:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        partial = True
+                        break
+                    if progress is not None and now - shown >= PROGRESS_EVERY_S:
+                        progress(self.env.now, self.recorder.num_requests)
+                        shown = now
                 self.env.step()
                 events += 1
         for eng in self.engines:
