@@ -79,7 +79,7 @@ def figure(caps: dict[str, Capacity], limits: list[StatLimit], attainment: float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from simengine.report.plots import engine_colors
+    from simengine.report.plots import engine_colors, save_figure
 
     colors = engine_colors(list(caps))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -113,12 +113,4 @@ def figure(caps: dict[str, Capacity], limits: list[StatLimit], attainment: float
             ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return save_figure(fig, path)

@@ -255,7 +255,7 @@ def figure(csv_path: Path, title: str, path: Path) -> Path:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from simengine.report.plots import engine_colors
+    from simengine.report.plots import engine_colors, save_figure
 
     df = pd.read_csv(csv_path)
     ok = df[df["status"] == "ok"].dropna(subset=["p99_ttft_ms"])
@@ -278,12 +278,4 @@ def figure(csv_path: Path, title: str, path: Path) -> Path:
     failed = int((df["status"] != "ok").sum())
     ax.set_title(title + (f" ({failed} point(s) failed: see points.csv)" if failed else ""), fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return save_figure(fig, path)

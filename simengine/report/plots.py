@@ -12,6 +12,21 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Save under a temporary name and rename when complete (an interrupt leaves no partial image), then close."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def _rolling(df: pd.DataFrame, col: str, q: float) -> pd.Series:
     window = max(5, len(df) // 25)
     return df[col].rolling(window, min_periods=1, center=True).quantile(q)
