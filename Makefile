@@ -31,7 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check simengine tests bench
+	$(BIN)/ruff check simengine tests bench examples
 
 clean:
 	rm -rf $(VENV) results/* plots/*

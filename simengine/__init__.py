@@ -1,10 +1,10 @@
 """simengine: a discrete-event simulator of LLM inference serving engines on many accelerators.
 
-Public API: load_scenario, simulate (one engine, raw result), run_engine / compare (frames + summaries).
+Public API (docs/api.md): simulate (a scenario's engines side by side: summaries, frames, files, figures),
+load_scenario, compare and run_engine.
 """
 
-from simengine.api import EngineResult, compare, run_engine
+from simengine.api import EngineResult, Simulation, compare, run_engine, simulate
 from simengine.config.scenario import Scenario, load_scenario
-from simengine.sim.runner import simulate
 
-__all__ = ["EngineResult", "Scenario", "compare", "load_scenario", "run_engine", "simulate"]
+__all__ = ["EngineResult", "Scenario", "Simulation", "compare", "load_scenario", "run_engine", "simulate"]

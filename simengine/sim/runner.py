@@ -407,9 +407,3 @@ def resend(req: Request) -> Request:
                    slo_class=req.slo_class, structured=req.structured, unique_outputs=req.unique_outputs,
                    private_from=req.private_from)
 
-
-def simulate(scenario: Scenario, entry: EngineEntry | None = None, *, check_invariants: bool = False) -> RunResult:
-    """Run one engine (default: the scenario's first) and return its raw results."""
-    entry = entry or scenario.engines[0]
-    return Runner(scenario, entry, check_invariants=check_invariants).run()
-
