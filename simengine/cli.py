@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a scenario field")
     r.add_argument("--out", default="results", help="results folder (default results/)")
     r.set_defaults(handler=cmd_recommend)
+    h = sub.add_parser("report", help="(re)make results/<scenario>/report.html: one page with the table, figures, "
+                                      "failures and configuration")
+    h.add_argument("dir", help="a results folder of one scenario, e.g. results/agent_multiturn")
+    h.add_argument("--plots", help="its figures' folder (default: plots/<the folder's name>)")
+    h.set_defaults(handler=cmd_report)
     w = sub.add_parser("sweep", help="simulate every combination of a grid's axes into one resumable table")
     w.add_argument("scenario", help="a name under scenarios/ or a path to a YAML file")
     w.add_argument("--grid", required=True, help="YAML file: axes: {dotted.path or engine: [values]} "
@@ -126,6 +131,8 @@ def cmd_run(args) -> int:
                           "missing or from an earlier run")
     if not args.no_plots:
         written += write_plots(scenario, results, Path(args.plots))
+    from simengine.report import html
+    report = html.write(written[0], None if args.no_plots else Path(args.plots) / scenario.name)
     partial = [k for k, r in results.items() if r.summary["partial"]]
     if partial:
         print(f"stopped at --max-wall-s {args.max_wall_s:g}: {', '.join(partial)} did not finish; their results "
@@ -142,7 +149,7 @@ def cmd_run(args) -> int:
             print(f"{label}: {f['failures']} replica failure(s), {f['retries']} request(s) resent, "
                   f"{f['failed_by_fault']} failed by them, availability {100 * f['availability']:.1f}%")
     print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
-                                                             else ""))
+                                                             else "") + f"  report: {report}")
     return EXIT_OK
 
 
@@ -299,6 +306,18 @@ def cmd_recommend(args) -> int:
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
     print(f"results: {path}")
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from simengine.report import html
+    d = Path(args.dir)
+    if not d.is_dir():
+        raise InputError(f"'{args.dir}' is not a folder; give a results folder such as results/agent_multiturn",
+                         field="DIR")
+    plots = Path(args.plots) if args.plots else Path("plots") / d.name
+    path = html.write(d, plots if plots.exists() else None)
+    print(f"report: {path}" + ("" if plots.exists() else f" (no figures: {plots} does not exist)"))
     return EXIT_OK
 
 
