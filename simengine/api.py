@@ -245,20 +245,21 @@ def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir:
 
     pdir = plots_dir / scenario.name
     pdir.mkdir(parents=True, exist_ok=True)
+    d = scenario.deployment
+    setup = (f"{d.model} {d.weight_dtype} on {d.replicas} x {d.tp * d.pp} {d.hardware} (TP {d.tp}, PP {d.pp}, "
+             f"{d.replicas} replica{'s' if d.replicas > 1 else ''})")
     jobs, frames = [], {}
     for label, r in results.items():
         req, every = plot_requests(r.recorder, PLOT_MAX_ROWS)
         steps = plot_steps(r.recorder, r.end_s, PLOT_MAX_ROWS)
         frames[label] = (req, steps)
         sampled = f" (every {every}th request)" if every > 1 else ""
-        jobs.append((plots.latency_timeline, (req, f"{scenario.name} · {label}: TTFT and TPOT{sampled}", r.down),
-                     f"{label}_latency_timeline.png"))
-        jobs.append((plots.kv_timeline, (steps, f"{scenario.name} · {label}: KV cache and queues"),
+        jobs.append((plots.latency_timeline, (req, f"{scenario.name} · {label}: TTFT and TPOT{sampled}\n{setup}",
+                                              r.down, scenario.slo), f"{label}_latency_timeline.png"))
+        jobs.append((plots.kv_timeline, (steps, f"{scenario.name} · {label}: KV cache and queues · {setup}"),
                      f"{label}_kv_timeline.png"))
-    jobs.append((plots.engines_grid, (frames,
-                                      {k: v.summary for k, v in results.items()},
-                                      f"{scenario.name}: engines side by side "
-                                      f"({scenario.deployment.model} on {scenario.deployment.hardware})"),
+    jobs.append((plots.engines_grid, (frames, {k: v.summary for k, v in results.items()},
+                                      f"{scenario.name}: engines side by side · {setup}", scenario.slo),
                  "engines_side_by_side.png"))
     written = []
     for draw, args, name in jobs:

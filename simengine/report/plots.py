@@ -41,9 +41,17 @@ def time_axis(requests: pd.DataFrame) -> tuple[str, str]:
     return "arrival_s", "arrival time (s)"
 
 
-def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, float, float]], path: Path) -> Path:
+def _slo_line(ax, slo, metric: str) -> None:
+    """The per-request objective for ttft or tpot, if the scenario gives one, as a dashed line."""
+    limit = getattr(slo, f"{metric}_ms", None) if slo is not None else None
+    if limit is not None:
+        ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")
+
+
+def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, float, float]], slo, path: Path
+                     ) -> Path:
     """TTFT and TPOT of each completed request at its arrival (offline: finish) time, with rolling p50 and p99;
-    replica failures (replica, from, to) shaded."""
+    replica failures (replica, from, to) shaded; the scenario's SLO (or None) as dashed lines."""
     x, xlabel = time_axis(requests)
     done = requests[requests["status"] == "completed"].sort_values(x)
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
@@ -57,6 +65,7 @@ def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, f
         ax.set_yscale("log") if len(d) and d[col].min() > 0 else None
         for k, (_replica, start, end) in enumerate(down):
             ax.axvspan(start, end, color="tab:gray", alpha=0.2, label="replica down" if k == 0 else None)
+        _slo_line(ax, slo, col.split("_")[0])
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     axes[1].set_xlabel(xlabel)
@@ -99,14 +108,20 @@ def _cdf(ax, values: np.ndarray, total: int, label: str, color) -> None:
         ax.plot(v, np.arange(1, len(v) + 1) / max(total, len(v)), label=label, color=color)
 
 
+# A qualitative palette of 12 distinct colours (tab10, then black and olive-gold): no two engines share a hue
+# family up to 12; beyond, tab20's lighter shades follow.
+PALETTE = [*plt.get_cmap("tab10").colors, (0.0, 0.0, 0.0), (0.72, 0.53, 0.04)]
+
+
 def engine_colors(labels: list[str]) -> dict[str, tuple]:
-    """One distinct colour per engine label (tab10 up to 10 engines, tab20 beyond)."""
-    cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
-    return {lb: cmap(i % cmap.N) for i, lb in enumerate(labels)}
+    """One distinct colour per engine label."""
+    extra = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i % 2]   # the light shades
+    colors = PALETTE + extra
+    return {lb: colors[i % len(colors)] for i, lb in enumerate(labels)}
 
 
 def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries: dict[str, dict], title: str,
-                 path: Path) -> Path:
+                 slo, path: Path) -> Path:
     """Engines side by side: TTFT and TPOT CDFs, throughput bars, KV usage, TTFT timelines overlaid."""
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     (a_ttft, a_tpot, a_thr), (a_kv, a_tl, a_tpl) = axes
@@ -142,6 +157,8 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     a_kv.set_xlabel("simulated time (s)")
     a_kv.set_ylabel("KV usage (%)")
     by = xlabel.split()[0]
+    _slo_line(a_tl, slo, "ttft")
+    _slo_line(a_tpl, slo, "tpot")
     a_tl.set_title(f"TTFT rolling median by {by}")
     a_tl.set_yscale("log")
     a_tl.set_xlabel(xlabel)
