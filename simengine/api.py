@@ -184,16 +184,16 @@ def _jsonable(obj):
 
 
 def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path) -> Path:
-    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml,trace.json}
-    and return results/<scenario>. Each engine's folder is written under a hidden temporary name and replaces that
-    engine's old folder only when complete; other engines' folders are left as they are. So an interrupt or a failure
-    leaves every folder either as it was or new, never a mix or a half-written file, and a run of some engines
-    never removes the results of the others."""
+    """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml,trace.json,
+    metrics.csv,metrics.prom} and return results/<scenario>. Each engine's folder is written under a hidden temporary
+    name and replaces that engine's old folder only when complete; other engines' folders are left as they are. So
+    an interrupt or a failure leaves every folder either as it was or new, never a mix or a half-written file, and a
+    run of some engines never removes the results of the others."""
     final = out_dir / scenario.name
     final.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_dump(_jsonable(scenario), sort_keys=False)
     for label, r in results.items():
-        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config))
+        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config, scenario.deployment.model))
     return final
 
 
@@ -218,8 +218,9 @@ def _replace_folder(final: Path, fill) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_engine(d: Path, r: EngineResult, config: str) -> None:
+def _write_engine(d: Path, r: EngineResult, config: str, model: str) -> None:
     from simengine.cost.measured import package_version
+    from simengine.report import prometheus
     from simengine.report.trace import write_trace
 
     (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
@@ -230,6 +231,8 @@ def _write_engine(d: Path, r: EngineResult, config: str) -> None:
                                                  "partial": r.summary["partial"]}, indent=2) + "\n")
     (d / "config.yaml").write_text(config)
     write_trace(r.recorder, r.label, d / "trace.json")
+    prometheus.series(r.recorder, r.end_s).to_csv(d / "metrics.csv", index=False, float_format="%.6g")
+    (d / "metrics.prom").write_text(prometheus.exposition(r.recorder, r.end_s, model, r.summary["engine"]))
 
 
 def _write_csv(blocks, path: Path) -> None:
