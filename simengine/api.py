@@ -264,13 +264,4 @@ def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir:
     jobs.append((plots.engines_grid, (frames, {k: v.summary for k, v in results.items()},
                                       f"{scenario.name}: engines side by side · {setup}", scenario.slo),
                  "engines_side_by_side.png"))
-    written = []
-    for draw, args, name in jobs:
-        tmp = pdir / f".{name}.tmp.png"
-        try:
-            draw(*args, tmp)
-            os.replace(tmp, pdir / name)
-        finally:
-            tmp.unlink(missing_ok=True)
-        written.append(pdir / name)
-    return written
+    return [draw(*args, pdir / name) for draw, args, name in jobs]   # each saved whole (plots.save_figure)

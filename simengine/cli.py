@@ -301,10 +301,9 @@ def cmd_recommend(args) -> int:
                             "overloaded", "p99_ttft_ms", "median_ttft_ms", "p99_tpot_ms", "median_tpot_ms",
                             "prefix_cache_hit_rate", "kv_capacity_tokens", "mean_batch_size", "preemptions",
                             "failed")}} for r in ranked]}
-    path = out / f"recommend_{args.priority}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
+    from simengine.report.files import write_whole
+    path = write_whole(out / f"recommend_{args.priority}.json",
+                       lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
     print(f"results: {path}")
     return EXIT_OK
 

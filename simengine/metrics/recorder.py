@@ -42,6 +42,7 @@ class Recorder:
     def __init__(self, spill: Spill | None = None, chunk_rows: int | None = None):
         self.spill = spill if spill is not None else Spill()
         self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
+        self._step_values_per_chunk = self.chunk_rows * len(STEP_FIELDS)   # checked after every step
         self.request_chunks = Chunks("requests", REQUEST_DTYPE, self.spill)
         self.step_chunks = Chunks("steps", STEP_DTYPE, self.spill)
         self.itl_chunks = Chunks("itl", ITL_DTYPE, self.spill)
@@ -77,7 +78,7 @@ class Recorder:
         elif itl_groups:
             self._itl_values.extend([now - prev for prev in itl_groups])
             self._itl_counts.extend(itl_groups.values())
-        if len(self._step_rows) >= self.chunk_rows * len(STEP_FIELDS):
+        if len(self._step_rows) >= self._step_values_per_chunk:
             self._flush_steps()
 
     def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
@@ -86,7 +87,7 @@ class Recorder:
         self._step_rows.frombytes(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
         self._itl_values.frombytes(np.ascontiguousarray(itl_values, dtype=np.float64).tobytes())
         self._itl_counts.frombytes(np.ascontiguousarray(itl_counts, dtype=np.int64).tobytes())
-        if len(self._step_rows) >= self.chunk_rows * len(STEP_FIELDS):
+        if len(self._step_rows) >= self._step_values_per_chunk:
             self._flush_steps()
 
     def _code(self, s: str) -> int:

@@ -50,17 +50,12 @@ def meets_slo(lat: dict[str, np.ndarray], slo: SloConfig) -> np.ndarray:
 BALANCE_MIN_ARRIVALS = 50
 
 
-def arrival_balance(rec: Recorder) -> tuple[float | None, bool | None]:
+def arrival_balance(rec: Recorder, first: float, last: float, n: int) -> tuple[float | None, bool | None]:
     """(offered rate, kept up): the arrival rate over the arrival window (first to last send; None when all came
     at once), and whether the requests that finished (completed or failed) in the window's second half number at
     least the arrivals in it, within a tolerance of max(10%, 3 / sqrt(arrivals)): a stable engine finishes as
     many as arrive, an overloaded one only its service rate while its backlog grows. None when that half holds
-    fewer than BALANCE_MIN_ARRIVALS arrivals."""
-    first, last, n = float("inf"), float("-inf"), 0
-    for rows in rec.request_rows():
-        if len(rows):
-            first, last = min(first, float(rows["arrival_s"].min())), max(last, float(rows["arrival_s"].max()))
-            n += len(rows)
+    fewer than BALANCE_MIN_ARRIVALS arrivals. `first`, `last`, `n`: the first and last send and the requests."""
     if n < 2 or last - first <= 1e-9:
         return None, None
     mid = 0.5 * (first + last)
@@ -93,14 +88,21 @@ def slo_attainment(rec: Recorder, slo: SloConfig) -> float | None:
 class _Totals:
     """Counts and sums of one set of requests (all, or one class) over the chunks."""
 
-    def __init__(self):
+    def __init__(self, num_codes: int = 0):
         self.requests = self.completed = self.failed = self.unfinished = self.shed = self.good = 0
         self.in_tokens = self.out_tokens = 0
         self.last_finish_s = 0.0
+        self.first_arrival_s, self.last_arrival_s = float("inf"), float("-inf")
+        self.failed_by_code = np.zeros(num_codes, dtype=np.int64)   # failed requests per fail_reason code
 
     def add(self, rows: np.ndarray, lat: dict, done: np.ndarray, slo: SloConfig, shed_codes: np.ndarray) -> None:
         status = rows["status"]
         self.requests += len(rows)
+        if len(rows):
+            self.first_arrival_s = min(self.first_arrival_s, float(rows["arrival_s"].min()))
+            self.last_arrival_s = max(self.last_arrival_s, float(rows["arrival_s"].max()))
+        if len(self.failed_by_code):
+            self.failed_by_code += np.bincount(rows["fail_reason"][status == 1], minlength=len(self.failed_by_code))
         self.completed += int(done.sum())
         self.failed += int((status == 1).sum())
         self.unfinished += int((status == 2).sum())
@@ -138,7 +140,7 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
               prefix_hit_rate: float, horizon_s: float, replicas: int = 1, classes=()) -> dict:
     """The summary dict for one engine run. No wall-clock values (same seed -> identical file)."""
     shed_codes = np.array([i for i, s in enumerate(rec.strings) if s.startswith("429")], dtype=np.int32)
-    total, per_class = _Totals(), {c.name: _Totals() for c in classes}
+    total, per_class = _Totals(len(rec.strings)), {c.name: _Totals() for c in classes}
     for rows in rec.request_rows():
         lat = latencies_ms(rows)
         done = rows["status"] == COMPLETED
@@ -173,7 +175,7 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
     # Overloaded: more than 5% of arrivals were still queued when the drain limit cut the run, or were turned away
     # by the engine's own load limit (HTTP 429, e.g. TGI max_concurrent_requests; such reasons start with "429").
     backlog = total.unfinished if end_s > horizon_s else 0
-    offered, kept_up = arrival_balance(rec)
+    offered, kept_up = arrival_balance(rec, total.first_arrival_s, total.last_arrival_s, total.requests)
     overloaded = bool(backlog + total.shed > 0.05 * max(total.requests, 1)) or kept_up is False
     summary = {
         "num_requests": total.requests,
@@ -205,22 +207,19 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
         "measured_kernel_share": measured / busy if busy > 0 else 0.0,
         "cost_per_1m_output_tokens_usd": cost,
     }
-    summary["failure_reasons"] = failure_reasons(rec)
+    summary["failure_reasons"] = failure_reasons(rec.strings, total.failed_by_code)
     if classes:
         summary["classes"] = {c.name: _class_summary(per_class[c.name], stats, c, duration) for c in classes}
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in summary.items()}
 
 
-def failure_reasons(rec: Recorder, top: int = 10) -> dict[str, int]:
-    """Failed requests by reason, most frequent first: reasons that differ only in their numbers (prompt lengths)
-    count together under the first one seen; past `top` kinds the rest count under "other"."""
-    counts = np.zeros(len(rec.strings), dtype=np.int64)
-    for rows in rec.request_rows():
-        reasons = rows["fail_reason"][rows["status"] == 1]
-        counts += np.bincount(reasons, minlength=len(counts))[:len(counts)]
+def failure_reasons(strings: list[str], counts: np.ndarray, top: int = 10) -> dict[str, int]:
+    """Failed requests by reason (`counts` per string code), most frequent first: reasons that differ only in their
+    numbers (prompt lengths) count together under the first one seen; past `top` kinds the rest count under
+    "other"."""
     kinds: dict[str, list] = {}
     for code in np.flatnonzero(counts):
-        reason = rec.strings[code] or "(no reason given)"
+        reason = strings[code] or "(no reason given)"
         kind = kinds.setdefault(re.sub(r"\d+", "#", reason), [reason, 0])
         kind[1] += int(counts[code])
     ranked = sorted(kinds.values(), key=lambda k: -k[1])

@@ -4,12 +4,12 @@ and a console table."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from simengine.planning.capacity import Capacity, StatLimit
+from simengine.report.files import write_whole
 
 POINT_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
               "mean_ttft_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "completed", "failed",
@@ -55,19 +55,9 @@ def write(folder: Path, meta: dict, caps: dict[str, Capacity], target_rate: floa
     doc = {**meta, "engines": {label: engine_record(c, target_rate, price, price_source)
                                for label, c in caps.items()}}
     rows = [{"engine": label, **point_record(p)} for label, c in caps.items() for p in c.points]
-    path = folder / "capacity.json"
-    _replace(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
-    _replace(folder / "capacity_points.csv", lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
+    path = write_whole(folder / "capacity.json", lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
+    write_whole(folder / "capacity_points.csv", lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
     return path
-
-
-def _replace(path: Path, fill) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fill(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def figure(caps: dict[str, Capacity], limits: list[StatLimit], attainment: float | None, title: str,

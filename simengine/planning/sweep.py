@@ -229,11 +229,8 @@ def write_parquet(csv_path: Path) -> Path | None:
         import pyarrow  # noqa: F401
     except ImportError:
         return None
-    path = csv_path.with_suffix(".parquet")
-    tmp = path.with_name(f".{path.name}.tmp")
-    pd.read_csv(csv_path).to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-    return path
+    from simengine.report.files import write_whole
+    return write_whole(csv_path.with_suffix(".parquet"), lambda tmp: pd.read_csv(csv_path).to_parquet(tmp, index=False))
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -130,11 +129,6 @@ def build(results_dir: Path, plots_dir: Path | None = None) -> str:
 
 def write(results_dir: Path, plots_dir: Path | None = None) -> Path:
     """results/<scenario>/report.html, written under a temporary name and renamed."""
-    path = results_dir / "report.html"
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(build(results_dir, plots_dir))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    from simengine.report.files import write_whole
+    page = build(results_dir, plots_dir)
+    return write_whole(results_dir / "report.html", lambda tmp: tmp.write_text(page))

@@ -13,18 +13,13 @@ import pandas as pd  # noqa: E402
 
 
 def save_figure(fig, path: Path, dpi: int = 100) -> Path:
-    """Save under a temporary name and rename when complete (an interrupt leaves no partial image), then close."""
-    import os
+    """Save whole (report.files.write_whole: no partial image after an interrupt), then close."""
+    from simengine.report.files import write_whole
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        return write_whole(path, lambda tmp: fig.savefig(tmp, dpi=dpi))
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def _rolling(df: pd.DataFrame, col: str, q: float) -> pd.Series:
@@ -71,9 +66,7 @@ def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, f
     axes[1].set_xlabel(xlabel)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
@@ -95,9 +88,7 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
     ax1.grid(alpha=0.3)
     ax1.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _cdf(ax, values: np.ndarray, total: int, label: str, color) -> None:
@@ -173,6 +164,4 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
             ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
