@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
@@ -185,15 +186,16 @@ def _jsonable(obj):
 
 def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path) -> Path:
     """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml,trace.json,
-    metrics.csv,metrics.prom} and return results/<scenario>. Each engine's folder is written under a hidden temporary
-    name and replaces that engine's old folder only when complete; other engines' folders are left as they are. So
-    an interrupt or a failure leaves every folder either as it was or new, never a mix or a half-written file, and a
-    run of some engines never removes the results of the others."""
+    metrics.csv,metrics.prom,vllm_bench_serve.json} and return results/<scenario>. Each engine's folder is written
+    under a hidden temporary name and replaces that engine's old folder only when complete; other engines' folders
+    are left as they are. So an interrupt or a failure leaves every folder either as it was or new, never a mix or a
+    half-written file, and a run of some engines never removes the results of the others."""
     final = out_dir / scenario.name
     final.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_dump(_jsonable(scenario), sort_keys=False)
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")   # vllm_bench_serve.json's "date", as vLLM writes it
     for label, r in results.items():
-        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config, scenario.deployment.model))
+        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config, scenario, date))
     return final
 
 
@@ -218,10 +220,13 @@ def _replace_folder(final: Path, fill) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_engine(d: Path, r: EngineResult, config: str, model: str) -> None:
+def _write_engine(d: Path, r: EngineResult, config: str, scenario: Scenario, date: str) -> None:
     from simengine.cost.measured import package_version
     from simengine.report import prometheus
     from simengine.report.trace import write_trace
+    from simengine.report.vllm_bench import bench_result
+
+    model = scenario.deployment.model
 
     (d / "summary.json").write_text(json.dumps(r.summary, indent=2, sort_keys=False) + "\n")
     _write_csv(request_blocks(r.recorder), d / "requests.csv")
@@ -233,6 +238,8 @@ def _write_engine(d: Path, r: EngineResult, config: str, model: str) -> None:
     write_trace(r.recorder, r.label, d / "trace.json")
     prometheus.series(r.recorder, r.end_s).to_csv(d / "metrics.csv", index=False, float_format="%.6g")
     (d / "metrics.prom").write_text(prometheus.exposition(r.recorder, r.end_s, model, r.summary["engine"]))
+    (d / "vllm_bench_serve.json").write_text(json.dumps(bench_result(r.recorder, r.summary, scenario,
+                                                                     r.summary["engine"], date)) + "\n")
 
 
 def _write_csv(blocks, path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from simengine.errors import InputError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INPUT = 0, 1, 2
+PROGRESS_DELAY_S = 2.0   # wall seconds an engine runs before its progress bar shows
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,21 +155,33 @@ def cmd_run(args) -> int:
 
 
 class _Progress:
-    """One line on the terminal, rewritten in place: which engine, simulated time against the horizon, requests."""
+    """A tqdm bar per engine over simulated time against the horizon, with the requests done; it appears once an
+    engine has run for PROGRESS_DELAY_S of wall time (short runs print nothing) and goes when the engine ends."""
 
     def __init__(self, scenario):
-        self.horizon_s, self.width = scenario.horizon_s, 0
+        self.horizon_s, self.label, self.bar, self.started = scenario.horizon_s, None, None, 0.0
 
     def __call__(self, label: str, k: int, n: int, simulated_s: float, done: int) -> None:
-        share = min(simulated_s / self.horizon_s, 1.0) if self.horizon_s > 0 else 1.0
-        bar = "#" * int(20 * share)
-        line = f"  [{k}/{n}] {label}: [{bar:<20s}] {simulated_s:,.0f}/{self.horizon_s:,.0f} s simulated, {done:,} done"
-        print("\r" + line.ljust(self.width), end="", file=sys.stderr, flush=True)
-        self.width = len(line)
+        import time
+
+        from tqdm import tqdm
+
+        if label != self.label:
+            self.clear()
+            self.label, self.started = label, time.monotonic()
+        if self.bar is None:
+            if time.monotonic() - self.started < PROGRESS_DELAY_S:
+                return
+            self.bar = tqdm(total=max(self.horizon_s, 1e-9), desc=f"[{k}/{n}] {label}", file=sys.stderr, leave=False,
+                            dynamic_ncols=True, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:,.0f}/{total:,.0f} s "
+                                                           "simulated [{elapsed}<{remaining}]{postfix}")
+        self.bar.n = min(simulated_s, self.horizon_s)
+        self.bar.set_postfix_str(f"{done:,} done" + (", draining" if simulated_s > self.horizon_s else ""))
 
     def clear(self) -> None:
-        if self.width:
-            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.close()
+            self.bar, self.label = None, None
 
 
 def cmd_capacity(args) -> int:

@@ -90,6 +90,31 @@ def test_cdfs_stop_at_the_completed_share(tmp_path, monkeypatch):
     assert min(shares) < 1.0 and any(abs(x - s["completed"] / s["num_requests"]) < 1e-9 for x in shares)
 
 
+def test_legends_stay_off_the_data(tmp_path, monkeypatch):
+    """Every legend of every figure lies outside every panel's plotting area (engines, SLO lines and series named
+    beside or below the axes, never over points)."""
+    from simengine.api import write_plots
+    from simengine.report import plots
+    boxes = {}
+
+    def keep(fig, path, dpi=100):
+        fig.canvas.draw()
+        legends = [*fig.legends, *[a.get_legend() for a in fig.axes if a.get_legend() is not None]]
+        boxes[path.name] = ([lg.get_window_extent() for lg in legends], [a.get_window_extent() for a in fig.axes])
+        plots.plt.close(fig)
+        return path
+    monkeypatch.setattr(plots, "save_figure", keep)
+    sc = make_scenario(horizon_s=10.0, workload__arrival__rate=6.0, engines=["vllm", "sglang"],
+                       slo={"ttft_ms": 300.0, "tpot_ms": 40.0})
+    write_plots(sc, compare(sc), tmp_path)
+    assert len(boxes) == 5
+    for name, (legends, axes) in boxes.items():
+        assert legends, name
+        for lg in legends:
+            for ax in axes:
+                assert not lg.overlaps(ax), name
+
+
 def test_trace_is_trace_event_json_with_a_track_per_replica():
     sc = make_scenario(horizon_s=10.0, deployment__replicas=2, engines=["vllm"])
     r = compare(sc)["vllm"]

@@ -91,6 +91,16 @@ class EngineEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OutputConfig(Checked):
+    """What the result files hold beyond the defaults."""
+
+    # Requests (the first N by id) whose every token time is kept for the per-request lists of
+    # vllm_bench_serve.json (ttfts, itls, latencies...). 1000 is `vllm bench serve`'s default --num-prompts
+    # (vllm/benchmarks/serve.py). Statistics always cover every request; this bounds memory and file size.
+    detailed_requests: Annotated[int, Range(0, 10_000_000, unit="requests")] = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
 class Scenario(Checked):
     """A whole experiment. See docs/scenarios.md."""
 
@@ -103,6 +113,7 @@ class Scenario(Checked):
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engines: list[EngineEntry] = field(default_factory=lambda: [EngineEntry(engine="vllm")])
     slo: SloConfig = field(default_factory=SloConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
         super().__post_init__()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from enum import IntEnum
 
 import numpy as np
@@ -28,7 +29,7 @@ class Request:
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
-        "hash_batch", "unique_outputs", "private_from",
+        "hash_batch", "unique_outputs", "private_from", "token_times",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
@@ -70,6 +71,7 @@ class Request:
         self.engine_state = None      # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or
                                       # prefix publish (its per-step fast path); 0 = ask the manager
+        self.token_times: array | None = None  # when set (the runner's detailed requests): each output token's time
 
     @property
     def num_tokens(self) -> int:

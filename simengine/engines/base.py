@@ -126,12 +126,15 @@ class EnginePolicy(ABC):
         return usages
 
     @staticmethod
-    def advance_decodes(out: SchedulerOutput, steps: int, last_end: float) -> None:
-        """`update`'s effect on the requests of `steps` repeated decode steps, the last ending at `last_end`."""
+    def advance_decodes(out: SchedulerOutput, ends: list[float]) -> None:
+        """`update`'s effect on the requests of repeated decode steps ending at `ends`."""
+        steps, last_end = len(ends), ends[-1]
         for req, _ in out.scheduled:
             req.num_computed_tokens += steps
             req.num_output_tokens += steps
             req.last_token_s = last_end
+            if req.token_times is not None:
+                req.token_times.extend(ends)
 
     def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
         """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,
@@ -173,6 +176,8 @@ class EnginePolicy(ABC):
                     itl[run_prev] = itl.get(run_prev, 0) + run_count
                 run_prev, run_count = req.last_token_s, 1
             req.last_token_s = now
+            if req.token_times is not None:
+                req.token_times.append(now)
             if produced >= req.output_len:
                 req.status = Status.FINISHED
                 req.finish_s = now

@@ -232,7 +232,7 @@ class LlamaCppEngine(EnginePolicy):
     def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
         """Every slot gains a cell a repeat; nothing else changes (no slot stops: repeat_steps stays short of it)."""
         used, busy = sum([s.cells for s in self.slots]), self.num_busy
-        self.advance_decodes(out, len(ends), ends[-1])
+        self.advance_decodes(out, ends)
         return [(used + busy * i) / self.n_ctx for i in range(1, len(ends) + 1)]
 
     def repeat_steps(self, out: SchedulerOutput) -> int:

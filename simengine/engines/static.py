@@ -182,7 +182,7 @@ class StaticEngine(EnginePolicy):
     def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
         """update's counters over `len(ends)` lockstep steps, in closed form (no member finishes meanwhile)."""
         m = len(ends)
-        self.advance_decodes(out, m, ends[-1])
+        self.advance_decodes(out, ends)
         self.reserved_token_steps += m * len(self.batch) * self.row_len
         written, per_step = self.batch_written, sum(n for _, n in out.scheduled)
         self.used_token_steps += m * written + per_step * m * (m + 1) // 2  # written after each step, summed

@@ -78,6 +78,8 @@ class VllmEngine(PagedEngine):
     # advance lazily: a step walks only the other running requests and prices the cohort from two sums. When the
     # step's tokens or blocks might not fit (a cap could bind, an allocation could fail) the cohort is dissolved and
     # the exact per-request loop runs. Same results either way (tests/engines/test_fast_paths.py); off with pp > 1.
+    # A request whose token times are recorded (Request.token_times: the detailed requests) never joins: the exact
+    # loop writes each token's time.
     lazy_decode: ClassVar[bool] = True
     # Blocks of a request's own outputs are published at its next allocation or release, not the step that fills
     # them (KVCacheManager.defer_output_publish), so a member's only KV event is taking a block: the cohort counts
@@ -243,7 +245,7 @@ class VllmEngine(PagedEngine):
                 continue  # finished since
             out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
             if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
-                    and out_tokens + 1 < req.output_len and not req.structured):
+                    and out_tokens + 1 < req.output_len and not req.structured and req.token_times is None):
                 cohort[req.request_id] = (req, 1)
                 req.engine_state = step
                 self.cohort_context += req.prompt_len + out_tokens - step

@@ -22,7 +22,7 @@ STEP_FIELDS = (
     ("replica", "q"), ("start_s", "d"), ("end_s", "d"), ("batch_size", "q"), ("prefill_tokens", "q"),
     ("decode_tokens", "q"), ("num_running", "q"), ("num_waiting", "q"), ("kv_usage", "d"), ("preempted", "q"),
     ("step_s", "d"), ("compute_s", "d"), ("memory_s", "d"), ("comm_s", "d"), ("overhead_s", "d"),
-    ("measured_s", "d"), ("cuda_graph", "b"),
+    ("measured_s", "d"), ("cuda_graph", "b"), ("output_tokens", "q"),
 )
 REQUEST_COLUMNS = tuple(n for n, _ in REQUEST_FIELDS)
 STEP_COLUMNS = tuple(n for n, _ in STEP_FIELDS)
@@ -35,9 +35,9 @@ CHUNK_ROWS = 1 << 16
 
 
 class Recorder:
-    """Collects request rows, step rows and inter-token gaps (value, count) for one engine run. Rows gather in
-    typed columns and move to `Chunks` every CHUNK_ROWS rows (requests sorted by id within a chunk), so memory
-    stays flat however long the run: see Spill's budget."""
+    """Collects request rows, step rows, inter-token gaps (value, count) and the detailed requests' token times
+    for one engine run. Rows gather in typed columns and move to `Chunks` every CHUNK_ROWS rows (requests sorted
+    by id within a chunk), so memory stays flat however long the run: see Spill's budget."""
 
     def __init__(self, spill: Spill | None = None, chunk_rows: int | None = None):
         self.spill = spill if spill is not None else Spill()
@@ -53,6 +53,7 @@ class Recorder:
         self._itl_values = array("d")
         self._itl_counts = array("q")
         self.arrived = 0
+        self.token_times: dict[int, array] = {}  # request id -> its output tokens' times (detailed requests only)
 
     # ---- writing (the hot loop) -------------------------------------------------------------------------------
     def request(self, req: Request, replica: int, status: str) -> None:
@@ -60,6 +61,8 @@ class Recorder:
                req.first_scheduled_s, req.first_token_s, req.finish_s, req.prompt_len, req.output_len,
                req.num_output_tokens, max(req.num_cached_tokens, 0), req.num_preemptions, status, req.fail_reason,
                req.slo_class, int(req.structured))
+        if req.token_times is not None:
+            self.token_times[req.request_id] = req.token_times
         for col, v in zip(self._request_cols, row):
             col.append(v)
         if len(self._request_cols[0]) >= self.chunk_rows:

@@ -49,7 +49,7 @@ def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, f
     replica failures (replica, from, to) shaded; the scenario's SLO (or None) as dashed lines."""
     x, xlabel = time_axis(requests)
     done = requests[requests["status"] == "completed"].sort_values(x)
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(11.5, 6.5), sharex=True, layout="constrained")
     for ax, col, label in ((axes[0], "ttft_ms", "TTFT (ms)"), (axes[1], "tpot_ms", "TPOT (ms/token)")):
         d = done.dropna(subset=[col])
         ax.scatter(d[x], d[col], s=6, alpha=0.35, label="request", color="tab:blue")
@@ -62,16 +62,15 @@ def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, f
             ax.axvspan(start, end, color="tab:gray", alpha=0.2, label="replica down" if k == 0 else None)
         _slo_line(ax, slo, col.split("_")[0])
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)  # beside the data
     axes[1].set_xlabel(xlabel)
     fig.suptitle(title)
-    fig.tight_layout()
     return save_figure(fig, path, dpi=110)
 
 
 def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
     """KV-cache usage, running and waiting requests over simulated time."""
-    fig, ax1 = plt.subplots(figsize=(10, 4.5))
+    fig, ax1 = plt.subplots(figsize=(10, 4.8), layout="constrained")
     if len(steps):
         s = steps.groupby("end_s", sort=True).agg(kv=("kv_usage", "mean"), run=("num_running", "sum"),
                                                   wait=("num_waiting", "sum")).reset_index()
@@ -81,13 +80,12 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
         ax2.plot(s["end_s"], s["wait"], color="tab:orange", label="waiting", alpha=0.8)
         ax2.set_ylabel("requests")
         lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-        ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
+        fig.legend(lines, [ln.get_label() for ln in lines], loc="outside lower center", ncol=3, fontsize=8)
     ax1.set_ylim(0, 105)
     ax1.set_xlabel("simulated time (s)")
     ax1.set_ylabel("KV usage (%)")
     ax1.grid(alpha=0.3)
     ax1.set_title(title)
-    fig.tight_layout()
     return save_figure(fig, path, dpi=110)
 
 
@@ -114,7 +112,7 @@ def engine_colors(labels: list[str]) -> dict[str, tuple]:
 def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries: dict[str, dict], title: str,
                  slo, path: Path) -> Path:
     """Engines side by side: TTFT and TPOT CDFs, throughput bars, KV usage, TTFT timelines overlaid."""
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9.5), layout="constrained")
     (a_ttft, a_tpot, a_thr), (a_kv, a_tl, a_tpl) = axes
     labels = list(frames)
     colors = engine_colors(labels)
@@ -158,10 +156,13 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     a_tpl.set_yscale("log")
     a_tpl.set_xlabel(xlabel)
     a_tpl.set_ylabel("TPOT (ms/token)")
+    legend: dict[str, object] = {}   # one legend for every panel, below them: an entry per engine, then SLO lines
     for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:   # a panel no engine drew (no TPOT of 1-token outputs) has no legend
-            ax.legend(fontsize=7)
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncol=min(len(legend), 7),
+                   fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
     return save_figure(fig, path, dpi=100)

@@ -132,6 +132,7 @@ class Replica:
         rows[:, 9] = len(out.preempted)
         rows[:, 10:16] = costs
         rows[:, 16] = shape.cuda_graph
+        rows[:, 17] = n             # every scheduled request's token
         self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
         if self.check:
             engine.check_invariants()
@@ -144,7 +145,7 @@ class Replica:
         self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
                             engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
                             c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, c.measured_s,
-                            shape.cuda_graph),
+                            shape.cuda_graph, res.num_first_tokens + sum(res.itl_groups.values())),
                            now, res.itl_groups)
         if self.check:
             engine.check_invariants()

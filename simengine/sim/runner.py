@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +133,7 @@ class Runner:
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
         # of the first token's way back: every request reaches the engine this much after it was sent
         self.frontend_s = self.engines[0].timing.frontend_s
+        self.detailed_requests = scenario.output.detailed_requests  # ids below keep every token's time
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
         self.sources_open = 0
@@ -156,6 +158,8 @@ class Runner:
     # ---- routing and completion ---------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         self.recorder.arrived += 1
+        if req.request_id < self.detailed_requests:
+            req.token_times = array("d")
         self.live[req.request_id] = req
         wait = req.arrival_s + self.frontend_s - self.env.now   # an open loop already waited for it
         if req.structured and self.compile_s:
@@ -231,6 +235,8 @@ class Runner:
         if n < self.scenario.deployment.failures.max_retries:
             self.retries[req.request_id] = n + 1
             fresh = resend(req)
+            if req.token_times is not None:
+                fresh.token_times = array("d")  # the client sees only the retry's tokens
             self.live[req.request_id] = fresh
             self._route(fresh)
             return
