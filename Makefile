@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: sim test test-all fuzz bench lint clean venv
+.PHONY: sim test test-all fuzz bench lint clean venv conformance-record
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+# vLLM's real scheduler on random traces -> tests/conformance/vllm-<version>/*.json.gz (docs/conformance.md). Its own
+# environment (vLLM with its CUDA torch, ~9 GB); not part of `make test`, which replays the recorded fixtures.
+CONFORMANCE_VENV := .venv-conformance
+VLLM_VERSION ?= 0.33.0
+$(CONFORMANCE_VENV)/.installed-$(VLLM_VERSION):
+	$(PYTHON) -m venv $(CONFORMANCE_VENV)
+	$(CONFORMANCE_VENV)/bin/pip install --quiet vllm==$(VLLM_VERSION)
+	touch $@
+
+conformance-record: $(CONFORMANCE_VENV)/.installed-$(VLLM_VERSION)
+	$(CONFORMANCE_VENV)/bin/python tests/conformance/record_vllm.py --traces 1000
 
 lint: $(STAMP)
 	$(BIN)/ruff check simengine tests bench examples

@@ -487,9 +487,9 @@ class VllmEngine(PagedEngine):
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             n = self._cap(num_new, budget, self._alone())
-            # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission
-            # (max_model_len is capped to the pool, so an empty engine always admits its head)
-            if not self.kv.allocate_slots(req, n, hit, reserve_tokens=req.num_tokens):
+            # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission (a check:
+            # only this step's tokens get blocks; max_model_len is capped to the pool, so an empty engine admits)
+            if not self.kv.allocate_slots(req, n, hit, fits_tokens=req.num_tokens):
                 break  # strict FCFS: head-of-line blocking, no preemption for waiting requests
             self._pop_waiting()
             req.num_computed_tokens += hit.num_tokens

@@ -1,15 +1,16 @@
 """A paged KV block pool with ref counts and a hashed-full-block prefix cache (vLLM V1 semantics).
 
-Free blocks form one LRU queue: allocation takes from the front; a freed request's blocks join the tail in
-reverse, so the end of a prefix chain is evicted before its head. A taken block that still owns a cached hash
+Free blocks form one LRU queue: allocation takes from the front; a freed request's cached blocks join the tail in
+reverse, so the end of a prefix chain is evicted before its head, and its blocks without a cached hash go to the
+front, reused first. A taken block that still owns a cached hash
 drops it then (lazy eviction). A cached block with ref count 0 can be touched back out of the queue by a prefix
 hit.
 
 The queue is a list of block ids in LRU order from `head` on (taking n blocks is one slice; the taken prefix is
 dropped once it is most of the list). A touch leaves the block's entry behind as a stale one (counted
 in `stale`, skipped when reached) instead of removing it from the middle: a block's stale entries always precede
-its live one, because an entry is appended only when the block is freed. The queue is compacted when stale
-entries pile up.
+its live one, because an entry is appended when the block is freed (one with stale entries is never put at the
+front). The queue is compacted when stale entries pile up.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_cnt: list[int] = [0] * num_blocks       # a list: Python-level indexing is ~5x a numpy array's
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}                  # block hash -> block id
+        self.cached: dict[int, int] = {}                  # block hash -> the block a lookup returns
+        self.dups: dict[int, list[int]] = {}              # block hash -> further blocks with it, oldest first
         self.free_queue: list[int] = list(range(num_blocks))  # entries before `head` were taken
         self.head = 0
         self.num_free = num_blocks
@@ -96,13 +98,27 @@ class BlockPool:
             for b in out:
                 ref_cnt[b] = 1
             return out
+        dups = self.dups
         for b in out:
             ref_cnt[b] = 1
             h = block_hash[b]
             if h is not None:
                 block_hash[b] = None
-                del cached[h]
+                if dups and h in dups:
+                    self._unmap(h, b)
+                else:
+                    del cached[h]
         return out
+
+    def _unmap(self, h: int, b: int) -> None:
+        """Block b, evicted, no longer holds hash h; another block with h (the oldest) answers its lookups."""
+        more = self.dups[h]
+        if self.cached[h] == b:
+            self.cached[h] = more.pop(0)
+        else:
+            more.remove(b)
+        if not more:
+            del self.dups[h]
 
     def allocate_one(self) -> int:
         """allocate(1) without the list."""
@@ -114,7 +130,10 @@ class BlockPool:
         h = self.block_hash[b]
         if h is not None:
             self.block_hash[b] = None
-            del self.cached[h]
+            if self.dups and h in self.dups:
+                self._unmap(h, b)
+            else:
+                del self.cached[h]
         return b
 
     def touch(self, blocks: list[int]) -> None:
@@ -129,22 +148,37 @@ class BlockPool:
             self.free_queue, self.head = self.free_blocks(), 0
             stale.clear()
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching 0 join the LRU tail in reverse order."""
-        ref_cnt, freed = self.ref_cnt, []
-        for b in reversed(blocks):
+    def free(self, blocks: list[int], num_full: int = 0) -> None:
+        """Drop one reference from each block, last first. As vLLM's BlockPool.free_blocks (v1/core/block_pool.py):
+        a block reaching 0 that holds a cached hash joins the LRU tail (evicted last, in FIFO order); one without
+        (a partial block, or caching off) goes to the front, to be reused first. The first `num_full` blocks count as
+        cached even without a hash (full blocks the manager left unpublished, which vLLM would have cached)."""
+        ref_cnt, block_hash, stale = self.ref_cnt, self.block_hash, self.stale
+        last, first = [], []
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
             c = ref_cnt[b] - 1
             ref_cnt[b] = c
             if not c:
-                freed.append(b)
+                if self.enable_caching and (block_hash[b] is not None or i < num_full) or b in stale:
+                    last.append(b)   # (a block with stale entries must keep its live entry after them)
+                else:
+                    first.append(b)
             elif c < 0:
                 raise RuntimeError(f"block {b} ref count went negative")
-        self.free_queue.extend(freed)
-        self.num_free += len(freed)
+        if first:
+            queue, head, k = self.free_queue, self.head, len(first)
+            if head >= k:    # over taken entries before the head
+                queue[head - k:head] = first
+                self.head = head - k
+            else:
+                self.free_queue, self.head = first + queue[head:], 0
+        self.free_queue.extend(last)
+        self.num_free += len(last) + len(first)
 
     def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
-        """Publish the full blocks' hashes (blocks that own none yet). A hash the cache already maps keeps its
-        block (no de-duplication: the new block stays unpublished)."""
+        """Publish the full blocks' hashes (blocks that own none yet). A block whose hash the cache already maps is
+        kept as a duplicate, as vLLM's BlockHashToBlockMap does: lookups return the oldest until it is evicted."""
         if not self.enable_caching:
             return
         cached, block_hash = self.cached, self.block_hash
@@ -154,14 +188,15 @@ class BlockPool:
                 block_hash[b] = h
             return
         for b, h in zip(blocks, hashes):
-            if h not in cached:
-                cached[h] = b
-                block_hash[b] = h
+            self.cache_block(b, h)
 
     def cache_block(self, block: int, block_hash: int) -> None:
         """cache_blocks for one block."""
-        if self.enable_caching and block_hash not in self.cached:
-            self.cached[block_hash] = block
+        if self.enable_caching:
+            if block_hash in self.cached:
+                self.dups.setdefault(block_hash, []).append(block)
+            else:
+                self.cached[block_hash] = block
             self.block_hash[block] = block_hash
 
     def num_free_after_touch(self, blocks: list[int]) -> int:
@@ -180,4 +215,7 @@ class BlockPool:
         assert ((ref_cnt == 0) == free).all(), "free queue disagrees with ref counts"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, "hash map points at a block with another hash"
-        assert sum(h is not None for h in self.block_hash) == len(self.cached), "a block owns a hash the map lacks"
+        for h, more in self.dups.items():
+            assert more and h in self.cached and all(self.block_hash[b] == h for b in more), "a stray duplicate"
+        assert sum(h is not None for h in self.block_hash) == len(self.cached) + sum(map(len, self.dups.values())), \
+            "a block owns a hash the map lacks"

@@ -87,14 +87,16 @@ class KVCacheManager:
         return max(0, self.blocks_for(max(total, reserve_tokens)) - have)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, *,
-                       reserve_tokens: int = 0, watermark_blocks: int = 0) -> bool:
+                       reserve_tokens: int = 0, fits_tokens: int = 0, watermark_blocks: int = 0) -> bool:
         """Give `req` blocks for its computed tokens, the hit and `num_new_tokens` more.
 
-        `reserve_tokens` asks for blocks covering at least that many tokens (vLLM's full-prompt admission,
-        TGI/TRT-LLM worst-case reservation). Returns False and changes nothing when blocks are short.
+        `reserve_tokens` allocates blocks covering at least that many tokens (vLLM v0's and Sarathi's whole-prompt
+        allocation, Orca's reservation). `fits_tokens` only checks that blocks for that many tokens are free now and
+        allocates the step's (vLLM V1's scheduler_reserve_full_isl admission gate, kv_cache_manager.py
+        `full_sequence_must_fit`). Returns False and changes nothing when blocks are short.
         """
         if req.num_computed_tokens + num_new_tokens <= req.kv_settled_tokens and reserve_tokens <= \
-                req.kv_settled_tokens and not hit.blocks:
+                req.kv_settled_tokens and fits_tokens <= req.kv_settled_tokens and not hit.blocks:
             return True  # fast path (most decode steps): held blocks cover the tokens and none fills up
         rid = req.request_id
         blocks = self.req_blocks.get(rid)
@@ -102,13 +104,14 @@ class KVCacheManager:
         end = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         bs = self.block_size
         pool = self.pool
-        needed = -(-(end if end > reserve_tokens else reserve_tokens) // bs) - len(hit_blocks) - (
-            len(blocks) if blocks else 0)
+        held = len(hit_blocks) + (len(blocks) if blocks else 0)
+        needed = -(-(end if end > reserve_tokens else reserve_tokens) // bs) - held
         if needed < 0:
             needed = 0
-        if needed or watermark_blocks:
+        check = max(needed, -(-fits_tokens // bs) - held)
+        if check > 0 or watermark_blocks:
             free = pool.num_free_after_touch(hit_blocks) if hit_blocks else pool.num_free
-            if needed > free - watermark_blocks:
+            if check > free - watermark_blocks:
                 return False
         if blocks is None:
             blocks = self.req_blocks[rid] = []
@@ -188,8 +191,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         self.req_hashed.pop(req.request_id, None)
         req.kv_settled_tokens = 0
-        if blocks:
-            self.pool.free(blocks)
+        if blocks:   # full blocks of computed tokens are cached in vLLM, published here or not (private ones)
+            self.pool.free(blocks, req.num_computed_tokens // self.block_size)
 
     def _unprivate(self, req: Request) -> None:
         """From now on every block of `req` is published like any other: first those a manager without private
@@ -217,7 +220,7 @@ class KVCacheManager:
         tail = blocks[keep:]
         del blocks[keep:]
         self.req_hashed[req.request_id] = min(self.req_hashed.get(req.request_id, 0), keep)
-        self.pool.free(tail)
+        self.pool.free(tail, req.num_computed_tokens // self.block_size - keep)
         return len(tail)
 
     def transfer(self, src: Request, dst: Request) -> None:

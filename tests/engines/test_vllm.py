@@ -118,16 +118,23 @@ def test_prefix_caching_off_computes_everything():
 
 
 def test_admission_requires_the_whole_prompt_to_fit():
+    """scheduler_reserve_full_isl (vLLM 0.33 kv_cache_manager.allocate_slots `full_sequence_must_fit`): a waiting
+    request is admitted only if blocks for its whole prompt are free now, a check, not a reservation: only the
+    step's chunk gets blocks."""
     eng = engine(kv_cache_memory_bytes=8 * 16 * 131072, max_num_batched_tokens=200, long_prefill_token_threshold=32)
     assert eng.max_model_len == 128  # capped to the pool, as if --max-model-len had been set to fit
-    first, second = make_request(100, 2), make_request(60, 2)  # 7 blocks, then 4 blocks: 11 > 8
+    first, second = make_request(100, 2), make_request(110, 2)  # 7 blocks; then 7 blocks, 6 free after first's 2
     eng.add_request(first, 0.0)
     eng.add_request(second, 0.0)
     out, _ = run_step(eng)
-    # only 32 tokens of `first` run, but its whole prompt's 7 blocks were reserved: `second` (4 blocks) must wait
-    # although 168 tokens of budget are left
-    assert [r for r, _ in out.scheduled] == [first] and eng.kv.num_blocks_of(first) == 7
+    # only 32 tokens of `first` run, in 2 blocks: `second`'s whole prompt (7 blocks) does not fit the 6 left, so it
+    # waits although 168 tokens of budget are left
+    assert [r for r, _ in out.scheduled] == [first] and eng.kv.num_blocks_of(first) == 2
     assert eng.num_waiting() == 1
+    third = make_request(60, 2)  # 4 blocks fit the 6 free, but strict FCFS: it waits behind `second`
+    eng.add_request(third, 0.01)
+    out, _ = run_step(eng, 0.02)
+    assert [r for r, _ in out.scheduled] == [first] and eng.num_waiting() == 2
 
 
 def test_prompt_longer_than_max_model_len_is_rejected():

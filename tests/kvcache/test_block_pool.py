@@ -97,12 +97,13 @@ def test_random_alloc_free_keeps_invariants(ops):
 
 
 class ReferencePool:
-    """The pool's semantics written the plain way: an OrderedDict LRU queue, eager removal on touch."""
+    """The pool's semantics written the plain way (vLLM's BlockPool): an OrderedDict LRU queue, eager removal on
+    touch, freed cached blocks to the tail and uncached ones to the front, every block of a hash kept."""
 
     def __init__(self, num_blocks: int):
         self.ref = [0] * num_blocks
         self.lru = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}
+        self.cached: dict[int, list[int]] = {}   # hash -> its blocks, oldest first (a lookup gets the first)
         self.owner: dict[int, int] = {}
 
     def allocate(self, n: int) -> list[int]:
@@ -110,14 +111,24 @@ class ReferencePool:
         for b in out:
             self.ref[b] = 1
             if b in self.owner:
-                del self.cached[self.owner.pop(b)]
+                h = self.owner.pop(b)
+                self.cached[h].remove(b)
+                if not self.cached[h]:
+                    del self.cached[h]
         return out
 
     def free(self, blocks: list[int]) -> None:
+        front = []
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self.lru[b] = None
+                if b in self.owner:
+                    self.lru[b] = None
+                else:
+                    front.append(b)
+        for b in reversed(front):
+            self.lru[b] = None
+            self.lru.move_to_end(b, last=False)
 
     def touch(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -127,9 +138,8 @@ class ReferencePool:
 
     def cache(self, blocks: list[int], hashes: list[int]) -> None:
         for b, h in zip(blocks, hashes):
-            if h not in self.cached:
-                self.cached[h] = b
-                self.owner[b] = h
+            self.cached.setdefault(h, []).append(b)
+            self.owner[b] = h
 
 
 @pytest.mark.parametrize("compact_min_stale", [0, 1024])
@@ -163,7 +173,7 @@ def test_pool_matches_the_plain_lru_model(compact_min_stale, ops):
             ref.touch([b])
             groups.append([b])
         assert pool.free_blocks() == list(ref.lru)
-        assert pool.cached == ref.cached
+        assert pool.cached == {h: blocks[0] for h, blocks in ref.cached.items()}
         pool.check_invariants()
 
 
@@ -208,8 +218,9 @@ def test_private_blocks_released_unfinished_are_published_through_the_last_alloc
 
 def test_private_blocks_freed_from_the_tail_are_published_first():
     """free_tail (LMDeploy's partial eviction) keeps the request running: its freed tail keeps the hashes a manager
-    without private blocks gave it, so a recomputed tail does not re-publish them, and the old blocks' eviction
-    decides what the request finds on its return."""
+    without private blocks gave it, and the recomputed tail holds them again as duplicates (vLLM's
+    BlockHashToBlockMap keeps every block of a hash), so the old blocks' eviction takes nothing the request finds on
+    its return; both managers agree."""
     managers, reqs = _twins()
     for kv, r in zip(managers, reqs):
         assert kv.allocate_slots(r, 16)
@@ -222,4 +233,4 @@ def test_private_blocks_freed_from_the_tail_are_published_first():
         assert kv.allocate_slots(other, 12)  # the last never-used block, then old blocks 3 and 2: evicted
         kv.free(r)
         r.num_computed_tokens = 0
-    assert [kv.get_computed_blocks(r).num_tokens for kv, r in zip(managers, reqs)] == [8, 8]
+    assert [kv.get_computed_blocks(r).num_tokens for kv, r in zip(managers, reqs)] == [12, 12]
