@@ -38,6 +38,7 @@ class SchedulerOutput:
     rejected: list[Request] = field(default_factory=list)   # failed at admission this step
     shape: BatchShape = field(default_factory=BatchShape)
     idle_reason: str = ""           # why nothing was scheduled although work is waiting
+    released: int = 0               # requests freed after this decision (vLLM async): a retry may admit more
     # the first `num_lazy` scheduled entries are steady decodes (one token each) whose counters the engine
     # advances itself (vLLM's decode cohort); the shared update and make_shape skip them
     num_lazy: int = 0

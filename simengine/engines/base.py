@@ -278,10 +278,10 @@ class PagedEngine(EnginePolicy):
         out.scheduled.append((req, n))
         return req
 
-    def drop_for_recompute(self, req: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the request's KV and progress (its full blocks may stay in the prefix
-        cache); the caller requeues it where its engine does."""
-        self.kv.free(req)
+    def drop_for_recompute(self, req: Request, out: SchedulerOutput, cached_tokens: int | None = None) -> None:
+        """Recompute preemption: free the request's KV and progress (the full blocks of its first `cached_tokens`,
+        default all computed, may stay in the prefix cache); the caller requeues it where its engine does."""
+        self.kv.free(req, cached_tokens)
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED
         req.num_preemptions += 1

@@ -40,7 +40,8 @@ class VllmParams(Checked):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
     max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
     enforce_eager: bool = False                    # disables CUDA graphs
-    async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU
+    async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU and
+    # schedules step k+1 before step k's output is applied (v1/core/sched/async_scheduler.py)
     kv_cache_memory_bytes: Annotated[int, Range(1, 2**50)] | None = None  # overrides the gpu_memory_utilization rule
     # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
     # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
@@ -121,6 +122,7 @@ class VllmEngine(PagedEngine):
         self.lazy = self.lazy_decode and dep.pp == 1
         self.steps_done = 0                # updates applied: the cohort's clock
         self.last_step_end_s = -1.0
+        self.last_out = SchedulerOutput()  # the last step applied
         self.cohort: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1); engine_state = steps_done at joining
         self.cohort_context = 0            # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
         self.cohort_events: dict[int, list[tuple[int, Request]]] = {}  # step -> (order, req) of members whose
@@ -138,6 +140,12 @@ class VllmEngine(PagedEngine):
         self.spare: list[int] = []          # blocks taken for counted members, not yet in their tables
         self.cohort_in_flight = 0           # 1 between a step that carried the cohort and its update
         self.multi_step_left = 0            # num_scheduler_steps > 1: decode steps left in the current run
+        # async_scheduling (vLLM's AsyncScheduler, EngineCore.step_with_batch_queue): step k+1 is scheduled before
+        # step k's output is applied, so a request that finishes in step k still sits in `running` with its blocks
+        # for one more decision (skipped: its last token is in flight) and is freed after it. Every other decision
+        # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
+        self.async_finish = p.async_scheduling
+        self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -201,7 +209,18 @@ class VllmEngine(PagedEngine):
                                     0 if out.shape.prefill_chunks else self.params.num_scheduler_steps - 1)
         if self.dep.pp > 1:
             self.in_flight.update(r.request_id for r, _ in out.scheduled)
+        if self.finishing:
+            out.released = len(self.finishing)
+            for req in self.finishing:
+                self.release(req)
+            self.finishing = []
         return out
+
+    def on_finished(self, finished: list[Request], now: float) -> None:
+        if self.async_finish:
+            self.finishing += finished
+        else:
+            super().on_finished(finished, now)
 
     def update(self, out: SchedulerOutput, now: float):
         if self.in_flight:
@@ -211,6 +230,7 @@ class VllmEngine(PagedEngine):
             itl, prev = res.itl_groups, self.last_step_end_s
             itl[prev] = itl.get(prev, 0) + out.num_lazy
         self.last_step_end_s = now
+        self.last_out = out
         self.steps_done += 1
         self.cohort_in_flight = 0
         return res
@@ -384,7 +404,8 @@ class VllmEngine(PagedEngine):
             return
         members = [r for r, _ in self.cohort.values()]
         others = [r for _, r in self.others if r.status is Status.RUNNING]
-        assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in self.running), \
+        running = [r.request_id for r in self.running if r.status is not Status.FINISHED]  # async: finishing
+        assert sorted(r.request_id for r in members + others) == sorted(running), \
             "cohort and others are not the running set"
         assert sum(map(len, self.cohort_events.values())) == len(members), "a member without its leave event"
         assert not self.spare, "blocks taken for counted members and in no table"
@@ -420,6 +441,9 @@ class VllmEngine(PagedEngine):
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.status is Status.FINISHED:  # async: its last token is in flight (vLLM skips it)
+                i += 1
+                continue
             computed = req.num_computed_tokens
             n = req.prompt_len + req.num_output_tokens - computed
             if threshold or n > budget:
@@ -439,9 +463,9 @@ class VllmEngine(PagedEngine):
                 if victim is None:  # every other request is in flight: wait for a batch to come back
                     blocked = True
                     break
-                unscheduled = self._preempt(victim, out)
-                if unscheduled:  # priority mode took one already scheduled before req: vLLM hands its tokens back
-                    budget += unscheduled
+                before = self.priority and running.index(victim) < i  # vLLM: `if victim_index < req_index`
+                budget += self._preempt(victim, out)  # priority mode may take one scheduled before req: tokens back
+                if before:
                     i -= 1
                 if victim is req:
                     break
@@ -467,6 +491,12 @@ class VllmEngine(PagedEngine):
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Preempt `req` by recompute; return the tokens it had been scheduled this step (priority mode can pick a
         request scheduled earlier in the loop: vLLM unschedules it, v1/core/sched/scheduler.py `schedule`)."""
+        if req.status is Status.FINISHED:   # async: finished, last token in flight; its blocks go now
+            self.finishing.remove(req)
+            self.release(req)
+            self.num_preemptions += 1
+            out.preempted.append(req)
+            return 0
         scheduled = 0
         if self.priority:
             for k, (r, n) in enumerate(out.scheduled):
@@ -477,7 +507,14 @@ class VllmEngine(PagedEngine):
         if self.kv.defer_output_publish:  # the blocks its scheduled tokens fill were cached when they were allocated
             self.kv.publish_through(req, req.num_computed_tokens + scheduled)
         self.running.remove(req)
-        self.drop_for_recompute(req, out)
+        cached = None
+        if self.async_finish and req.last_token_s == self.last_step_end_s and req.num_output_tokens >= 2 and \
+                (req, 1) in self.last_out.scheduled:
+            # a decode in the last step (its input the token the step before sampled): vLLM caches blocks through
+            # the tokens whose output was applied, so the block that decode filled is not in the prefix cache yet
+            # (it would be at that step's update_from_output, cache_blocks)
+            cached = req.num_computed_tokens - 1
+        self.drop_for_recompute(req, out, cached)
         self._push_waiting(req, front=True)
         return scheduled
 

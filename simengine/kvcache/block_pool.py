@@ -110,6 +110,17 @@ class BlockPool:
                     del cached[h]
         return out
 
+    def uncache(self, b: int) -> None:
+        """Drop block b's hash from the cache (no-op if it holds none)."""
+        h = self.block_hash[b]
+        if h is None:
+            return
+        self.block_hash[b] = None
+        if self.dups and h in self.dups:
+            self._unmap(h, b)
+        else:
+            del self.cached[h]
+
     def _unmap(self, h: int, b: int) -> None:
         """Block b, evicted, no longer holds hash h; another block with h (the oldest) answers its lookups."""
         more = self.dups[h]

@@ -180,8 +180,10 @@ class KVCacheManager:
     def num_blocks_of(self, req: Request) -> int:
         return len(self.req_blocks.get(req.request_id, ()))
 
-    def free(self, req: Request) -> None:
-        """Release every block of the request (no-op if it holds none)."""
+    def free(self, req: Request, cached_tokens: int | None = None) -> None:
+        """Release every block of the request (no-op if it holds none). The blocks its first `cached_tokens` tokens
+        fill (default: its computed tokens) stay in the prefix cache; blocks past them it published are dropped
+        from it (vLLM async scheduling caches a decode's block only when the step's output is applied)."""
         if req.private_from < len(req.token_ids):
             if req.status is not Status.FINISHED:  # it may come back and look its own blocks up
                 self._unprivate(req)
@@ -189,10 +191,14 @@ class KVCacheManager:
             self.publish_through(req, req.num_computed_tokens)
         self.req_end.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
-        self.req_hashed.pop(req.request_id, None)
+        hashed = self.req_hashed.pop(req.request_id, 0)
         req.kv_settled_tokens = 0
+        full = (req.num_computed_tokens if cached_tokens is None else cached_tokens) // self.block_size
         if blocks:   # full blocks of computed tokens are cached in vLLM, published here or not (private ones)
-            self.pool.free(blocks, req.num_computed_tokens // self.block_size)
+            if cached_tokens is not None:
+                for b in blocks[full:hashed]:
+                    self.pool.uncache(b)
+            self.pool.free(blocks, full)
 
     def _unprivate(self, req: Request) -> None:
         """From now on every block of `req` is published like any other: first those a manager without private

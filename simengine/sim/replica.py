@@ -75,7 +75,7 @@ class Replica:
                 if engine.num_running():
                     raise RuntimeError(f"{engine.name} scheduled nothing with {engine.num_running()} running "
                                        f"({out.idle_reason or 'no reason given'})")
-                if out.rejected:   # the refusal freed what it held: the waiting requests may fit now
+                if out.rejected or out.released:   # blocks were freed: the waiting requests may fit now
                     continue
                 return True
             c = cost.step(out.shape)

@@ -47,13 +47,14 @@ def make_engine(t: Trace, mode: str) -> VllmEngine:
 
 
 def replay(t: Trace, mode: str) -> list[list]:
-    """The step records of record_vllm.py, made by simengine's vLLM policy."""
-    if mode != "sync":
-        raise NotImplementedError(mode)
+    """The step records of record_vllm.py, made by simengine's vLLM policy in the same loop: `sync` (EngineCore.step)
+    or `async` (EngineCore.step_with_batch_queue with a queue of two). The policy applies a step's tokens right after
+    scheduling it; in async mode it keeps the step's finished requests for one more decision itself."""
     eng = make_engine(t, mode)
     pending = deque(t.requests)
     steps: list[list] = []
-    finished_since_schedule = False   # vLLM's has_requests() is also true until the next schedule after a finish
+    released = False   # vLLM's has_requests() stays true for one call after requests were freed
+    queue = 0          # async: steps scheduled whose output vLLM has not applied yet
     for call in range(MAX_CALLS):
         now = call * DT_S
         while pending and pending[0].arrival_step <= call:
@@ -61,19 +62,27 @@ def replay(t: Trace, mode: str) -> list[list]:
             req = Request(tr.rid, tr.arrival_step + tr.rid * 1e-6, np.asarray(tr.tokens[:-1], dtype=np.int64),
                           tr.prompt_len, tr.output_len, priority=tr.priority)
             eng.add_request(req, now)
-        if not (eng.has_work() or finished_since_schedule):
+        if eng.has_work() or released:
+            waiting = {r.request_id for r in _waiting(eng)}
+            out = eng.schedule(now)
+            admitted = [[r.request_id, r.num_computed_tokens] for r, _ in out.scheduled if r.request_id in waiting]
+            step = [[[r.request_id, n] for r, n in out.scheduled], sorted(r.request_id for r in out.preempted),
+                    admitted, []]
+            res = eng.update(out, now + DT_S)
+            step[3] = sorted(r.request_id for r in res.finished)
+            steps.append(step)
+            if mode == "sync":
+                released = bool(res.finished)
+                continue
+            released = bool(out.released)
+            queue += 1
+            if queue < 2 and (out.scheduled or eng.has_work() or released):
+                continue
+        elif mode == "sync" or not queue:
             if not pending:
                 break
             continue
-        waiting = {r.request_id for r in _waiting(eng)}
-        out = eng.schedule(now)
-        admitted = [[r.request_id, r.num_computed_tokens] for r, _ in out.scheduled if r.request_id in waiting]
-        step = [[[r.request_id, n] for r, n in out.scheduled], sorted(r.request_id for r in out.preempted),
-                admitted, []]
-        res = eng.update(out, now + DT_S)
-        step[3] = sorted(r.request_id for r in res.finished)
-        finished_since_schedule = bool(res.finished)
-        steps.append(step)
+        queue -= 1   # vLLM applies its oldest step's output here
     else:
         raise RuntimeError(f"trace {t.seed} did not drain in {MAX_CALLS} calls")
     return steps

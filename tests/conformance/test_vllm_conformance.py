@@ -9,7 +9,7 @@ import pytest
 from tests.conformance.replay import compare, fixtures, load
 
 MIN_IDENTICAL = 0.99   # share of steps identical, per mode
-MODES = ("sync",)      # the loops the policy replays (async: see docs/conformance.md)
+MODES = ("sync", "async")   # EngineCore.step and EngineCore.step_with_batch_queue
 
 
 def _fixture(mode: str) -> dict:

@@ -208,7 +208,8 @@ def test_blocks_leave_the_pool_in_running_order_even_for_cohort_members(lazy, mo
     holding hash h1 in the same step as the later Y publishes h1; W then finds h1 cached."""
     monkeypatch.setattr(VllmEngine, "lazy_decode", lazy)
     monkeypatch.setattr(VllmEngine, "defer_output_publish", lazy)
-    eng = engine(block_size=4, kv_cache_memory_bytes=16 * 131072, max_num_batched_tokens=14)
+    # synchronous loop: Z's blocks are free when the next step is scheduled (async frees them one decision later)
+    eng = engine(block_size=4, kv_cache_memory_bytes=16 * 131072, max_num_batched_tokens=14, async_scheduling=False)
     assert eng.kv.num_blocks == 4
     prompt = np.arange(8, dtype=np.int32) + 7
     x = make_request(4, 6, unique_outputs=True)              # a steady decode from step 1: a block on step 1
@@ -245,3 +246,22 @@ def test_multi_step_runs_admit_nobody_until_they_end():
     assert late.request_id in {r.request_id for r, _ in out.scheduled}
     plain = VllmEngine(VllmParams(), make_dep())
     assert plain.timing.scheduler_cpu_s == pytest.approx(4 * eng.timing.scheduler_cpu_s)   # one schedule per run
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_scheduling_frees_a_finished_request_one_decision_later(async_scheduling):
+    """vLLM's AsyncScheduler schedules step k+1 before applying step k's output: a request whose last token is in
+    flight is skipped but keeps its blocks and its seat for that decision; the synchronous loop frees them first."""
+    eng = engine(kv_cache_memory_bytes=8 * 16 * 131072, max_num_seqs=1, async_scheduling=async_scheduling)
+    a, b = make_request(40, 2), make_request(40, 2)
+    eng.add_request(a, 0.0)
+    run_step(eng, 0.0)                   # a's prompt, first token
+    eng.add_request(b, 0.01)
+    out, res = run_step(eng, 0.01)       # a's last token; b waits (max_num_seqs 1)
+    assert out.scheduled == [(a, 1)] and res.finished == [a]
+    assert eng.num_running() == (1 if async_scheduling else 0)   # async: a still holds its seat and blocks
+    out, _ = run_step(eng, 0.02)
+    if async_scheduling:                 # a is skipped and freed after this decision: b waited one more step
+        assert out.is_empty and out.released == 1 and eng.num_running() == 0 and eng.kv_usage() == 0
+        out, _ = run_step(eng, 0.03)
+    assert [r for r, _ in out.scheduled] == [b]
