@@ -79,11 +79,11 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     runner = Runner(scenario, entry, check_invariants=check_invariants)
     res = runner.run(deadline=deadline, progress=progress)
     dep = res.deployment
-    hits = [e.prefix_hit_rate() for e in res.engines]
+    queried, hit = np.sum([e.prefix_cache_tokens() for e in res.engines], axis=0)  # over replicas, by token
     summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s,
                         num_devices=dep.num_devices * scenario.deployment.replicas,
                         price_usd_per_hour=dep.hardware.price_usd_per_hour,
-                        prefix_hit_rate=float(np.mean(hits)) if hits else 0.0, horizon_s=scenario.horizon_s,
+                        prefix_hit_rate=float(hit / queried) if queried else 0.0, horizon_s=scenario.horizon_s,
                         replicas=scenario.deployment.replicas, classes=scenario.workload.classes)
     summary = {"engine": entry.engine, "label": entry.display, **summary,
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}

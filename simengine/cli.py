@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from pathlib import Path
 
-from simengine.errors import InputError
+from simengine.errors import CannotRun, InputError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_INPUT = 0, 1, 2
 PROGRESS_DELAY_S = 2.0   # wall seconds an engine runs before its progress bar shows
@@ -87,8 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     w.set_defaults(handler=cmd_sweep)
     from simengine.validate.cli import add_subcommands
     add_subcommands(sub)
-    ls = sub.add_parser("list", help="list engines, hardware, models or scenarios")
-    ls.add_argument("what", choices=["engines", "hardware", "models", "scenarios"])
+    ls = sub.add_parser("list", help="list engines, routers, hardware, models or scenarios")
+    ls.add_argument("what", choices=["engines", "routers", "hardware", "models", "scenarios"])
     return p
 
 
@@ -114,10 +115,20 @@ def cmd_run(args) -> int:
         raise InputError(f"must be a number of seconds > 0, got {args.max_wall_s:g}", field="--max-wall-s")
     out = Path(args.out) / scenario.name
     _progress.update(kept=f"nothing: the simulation was running ({out} is as it was)")
+    skipped: dict[str, str] = {}   # engines this deployment cannot serve, with the reason
     try:
         dep = build_deployment(scenario)
         for e in engines:  # validate every engine before running any (no half-written results)
-            build_engine(e, dep)
+            try:
+                build_engine(e, dep)
+            except CannotRun as exc:
+                if len(engines) == 1:
+                    raise
+                skipped[e.display] = exc.message
+        engines = [e for e in engines if e.display not in skipped]
+        if not engines:
+            raise CannotRun("no engine can serve this deployment: " + "; ".join(
+                f"{k}: {v}" for k, v in skipped.items()), field="engines")
         bar = None if args.quiet or not sys.stderr.isatty() else _Progress(scenario)
         try:
             results = compare(scenario, engines, max_wall_s=args.max_wall_s, progress=bar)  # a refused trace or
@@ -142,6 +153,8 @@ def cmd_run(args) -> int:
     print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "
           f"seed {scenario.seed}")
     print(format_table({k: v.summary for k, v in results.items()}))
+    for label, reason in skipped.items():
+        print(f"{label}: did not run: {reason}")
     for label, r in results.items():
         if r.summary["failed"]:
             reasons = "; ".join(f"{n:,} {reason}" for reason, n in r.summary["failure_reasons"].items())
@@ -385,6 +398,12 @@ def cmd_list(args) -> int:
             doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
             print(f"{name:9s} {doc[0] if doc else ''}")
             print(f"{'':9s} runs on: {', '.join(sorted(cls.vendors))} ({', '.join(sorted(cls.device_classes))})")
+    elif args.what == "routers":
+        from simengine.routers import ROUTERS
+        for name in ROUTERS.names():
+            cls = ROUTERS.get(name)
+            knobs = ", ".join(f.name for f in dataclasses.fields(cls.Params))
+            print(f"{name:25s} {cls.source}" + (f"\n{'':25s} knobs: {knobs}" if knobs else ""))
     elif args.what == "hardware":
         from simengine.config.hardware import hardware_files, load_hardware
         print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} "

@@ -31,6 +31,11 @@ class InputError(ValueError):
         return InputError(self.message, source=self.source or source, field=qualify(field, self.field))
 
 
+class CannotRun(InputError):
+    """A valid request the deployment cannot serve with this engine: the model does not fit in memory, or the
+    engine does not run on the device. A comparison lists the engine with this reason and runs the others."""
+
+
 def qualify(path: str | None, inner: str | None) -> str | None:
     """Join a containing field path and a field named by a nested check, without naming a level twice."""
     if not path or not inner:

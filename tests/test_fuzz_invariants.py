@@ -43,6 +43,7 @@ from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.engines import ENGINES
 from simengine.errors import InputError
+from simengine.routers import ROUTERS
 from simengine.sim.runner import Runner, build_deployment
 from tests.fuzz_report import FUZZ
 
@@ -122,7 +123,7 @@ def scenarios(draw, engine: str | None = None):
     data = {"name": "fuzz", "seed": seed, "horizon_s": draw(st.sampled_from([2.0, 10.0])),
             "drain_s": draw(st.sampled_from([0.5, 5.0, 120.0])),
             "deployment": {"hardware": hardware, "model": model, "replicas": draw(st.sampled_from([1, 1, 2])),
-                           "router": draw(st.sampled_from(["least_loaded", "round_robin"]))},
+                           "router": draw(st.sampled_from(ROUTERS.names()))},
             "workload": workload, "engines": [engine]}
     failures = draw(st.sampled_from([None, None, "stated", "random"]))   # replica failures (deployment.failures)
     if failures == "stated":

@@ -63,6 +63,18 @@ def test_failures_are_counted_by_reason(tmp_path):
     assert sum(summary["failure_reasons"].values()) == summary["failed"] > 0
 
 
+def test_an_engine_that_cannot_serve_the_deployment_is_listed_and_the_others_run(tmp_path):
+    """Llama-3.1-70B BF16 at TP 2 on H100: SGLang's memory rule leaves no KV, vLLM's and TRT-LLM's do."""
+    common = ("--no-plots", "--out", str(tmp_path), "--set", "deployment.model=llama-3.1-70b", "--set",
+              "deployment.tp=2", "--set", "horizon_s=3")
+    r = run_cli("run", "agent_multiturn", "--engines", "vllm,sglang", *common)
+    assert r.returncode == 0, r.stderr
+    assert any(ln.startswith("sglang: did not run:") and "does not fit" in ln for ln in r.stdout.splitlines())
+    assert [p.parent.name for p in tmp_path.rglob("summary.json")] == ["vllm"]
+    alone = run_cli("run", "agent_multiturn", "--engines", "sglang", *common)   # the only engine asked for
+    assert alone.returncode == 2 and "does not fit" in alone.stderr and "Traceback" not in alone.stderr
+
+
 def test_compare_takes_engine_names():
     sc = make_scenario(horizon_s=3.0, engines=["vllm", {"engine": "sglang", "label": "sg", "params": {}}])
     res = compare(sc, ["sg", "tgi"])

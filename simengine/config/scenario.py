@@ -57,7 +57,8 @@ class DeploymentConfig(Checked):
     tp: Devices = 1
     pp: Devices = 1
     replicas: Devices = 1
-    router: str = "least_loaded"    # least_loaded | round_robin
+    router: str = "least_loaded"    # a name from `simengine list routers` (docs/cluster.md)
+    router_params: dict[str, Any] = field(default_factory=dict)  # that router's knobs, by their real names
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
@@ -65,8 +66,10 @@ class DeploymentConfig(Checked):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.router not in ("least_loaded", "round_robin"):
-            raise unknown_name("router", self.router, ("least_loaded", "round_robin"), field="deployment.router")
+        from simengine.routers import ROUTERS
+
+        router = ROUTERS.get(self.router, field="deployment.router")
+        from_dict(router.Params, self.router_params, source="scenario", field="deployment.router_params")
         for i, f in enumerate(self.failures.at if self.failures else []):
             if f.replica >= self.replicas:
                 raise InputError(f"replica {f.replica} does not exist: the deployment has {self.replicas} "

@@ -93,8 +93,13 @@ class EnginePolicy(ABC):
     def release(self, req: Request) -> None:
         """Free a finished request's KV (a policy may cache it first)."""
 
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """Prefix-cache (queried, hit) prompt tokens so far (vLLM's prefix_cache_queries and _hits)."""
+        return 0, 0
+
     def prefix_hit_rate(self) -> float:
-        return 0.0
+        queries, hits = self.prefix_cache_tokens()
+        return hits / queries if queries else 0.0
 
     def has_work(self) -> bool:
         return self.num_running() > 0 or self.num_waiting() > 0
@@ -260,8 +265,8 @@ class PagedEngine(EnginePolicy):
     def kv_capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
-    def prefix_hit_rate(self) -> float:
-        return self.kv.hit_rate()
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        return self.kv.query_tokens, self.kv.hit_tokens
 
     def release(self, req: Request) -> None:
         self.running.remove(req)
@@ -309,8 +314,8 @@ class RadixCacheViews:
     def kv_capacity_tokens(self) -> int:
         return self.cache.capacity
 
-    def prefix_hit_rate(self) -> float:
-        return self.cache.hit_rate()
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        return self.cache.query_tokens, self.cache.hit_tokens
 
 
 ENGINES: Registry[EnginePolicy] = Registry("engine")

@@ -26,7 +26,7 @@ from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
-from simengine.errors import InputError
+from simengine.errors import CannotRun, InputError
 
 MIB = 2**20
 EMPTY = np.zeros(0, dtype=np.int32)
@@ -158,7 +158,7 @@ class LlamaCppEngine(EnginePolicy):
         if p.fit and not p.ctx_size and room >= p.fit_ctx:
             return room
         hw = dep.hardware
-        raise InputError(
+        raise CannotRun(
             f"{dep.model.name} with n_ctx {want if p.ctx_size else p.fit_ctx} does not fit on {hw.name} with "
             f"llama.cpp: weights {dep.weight_bytes_per_device / GIB:.1f} GiB of "
             f"{gpu_visible_bytes(hw) / GIB:.1f} GiB usable leave room for {max(room, 0)} KV cells; --fit would move "
@@ -202,8 +202,8 @@ class LlamaCppEngine(EnginePolicy):
     def kv_capacity_tokens(self) -> int:
         return self.n_ctx
 
-    def prefix_hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        return self.query_tokens, self.hit_tokens
 
     def _tick(self) -> int:
         self.clock += 1

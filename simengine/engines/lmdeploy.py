@@ -138,9 +138,9 @@ class LmdeployEngine(EnginePolicy):
     def kv_capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
-    def prefix_hit_rate(self) -> float:
+    def prefix_cache_tokens(self) -> tuple[int, int]:
         """Prompt tokens not recomputed at first admission (trie hits and resumed sessions)."""
-        return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
+        return self._query_tokens, self._hit_tokens
 
     def add_request(self, req: Request, now: float) -> bool:
         if not self.check_length(req):

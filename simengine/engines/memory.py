@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from simengine.config.dtypes import WeightFormat
 from simengine.config.hardware import Hardware
 from simengine.config.model import ModelSpec
-from simengine.errors import InputError
+from simengine.errors import CannotRun
 
 GIB = 2**30
 # Memory CUDA context, NCCL and allocator fragmentation take outside the engine's pools. ESTIMATE: vLLM logs
@@ -68,7 +68,7 @@ def kv_tokens_or_refuse(dep: Deployment, kv_bytes: float, *, engine: str, rule: 
         need = dep.weight_bytes_per_device / GIB
         have = hw.memory_bytes / GIB
         more_tp = dep.tp * 2
-        raise InputError(
+        raise CannotRun(
             f"{m.name} does not fit on {hw.name} with {engine}: weights {need:.1f} GiB per device of "
             f"{have:.1f} GiB, leaving {max(kv_bytes, 0) / GIB:.2f} GiB for KV under {rule}; use tp={more_tp}, "
             f"a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory",

@@ -157,8 +157,8 @@ class MlcEngine(EnginePolicy):
     def kv_capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
 
-    def prefix_hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        return self.query_tokens, self.hit_tokens
 
     def _fits_ever(self, num_tokens: int) -> bool:
         """Whether a lone sequence of num_tokens passes the watermark and page checks (+1 page per sequence; a

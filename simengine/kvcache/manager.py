@@ -240,6 +240,3 @@ class KVCacheManager:
         if hashed is not None:
             self.req_hashed[dst.request_id] = hashed
         src.kv_settled_tokens = dst.kv_settled_tokens = 0
-
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -76,9 +76,6 @@ class RadixCache:
         """Fraction in use by requests (private + protected tree tokens); evictable cache counts as free."""
         return 1.0 - self.available() / self.capacity
 
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
     def _ckey(self, tokens: np.ndarray, pos: int):
         return int(tokens[pos]) if self.page == 1 else tokens[pos:pos + self.page].tobytes()
 

@@ -22,8 +22,9 @@ from simengine.cost.step import CostModel
 from simengine.cost.work import StepWork
 from simengine.engines import ENGINES, EnginePolicy
 from simengine.engines.memory import Deployment
-from simengine.errors import InputError
+from simengine.errors import CannotRun, InputError
 from simengine.metrics.recorder import Recorder
+from simengine.routers import ROUTERS, ReplicaState
 from simengine.sim.replica import PipelinedReplica, Replica
 from simengine.workload.generator import RequestFactory, SessionPlan
 
@@ -66,12 +67,12 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     hw = dep.hardware
     if dep.expert_parallel and not cls.supports_expert_parallel:
         ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
-        raise InputError(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
+        raise CannotRun(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
                          field="deployment.expert_parallel")
     if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
         ok = [n for n in ENGINES.names()
               if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
-        raise InputError(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
+        raise CannotRun(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
                          f"that do: {', '.join(ok) or 'none'}", field="engines")
     return cls(params, dep)
 
@@ -138,7 +139,11 @@ class Runner:
         self.waiters: dict[int, simpy.Event] = {}
         self.sources_open = 0
         self.all_done = self.env.event()
-        self._rr = 0
+        d = scenario.deployment
+        router = ROUTERS.get(d.router, field="deployment.router")
+        self.router = router(from_dict(router.Params, d.router_params, source="scenario",
+                                       field="deployment.router_params"),
+                             d.replicas, np.random.default_rng([scenario.seed, 104729]))
         # replica failures (deployment.failures): which replica holds each live request, who is up, the requests
         # waiting for any replica to come back, and the log
         self.check_invariants = check_invariants
@@ -180,11 +185,12 @@ class Runner:
         if not up:                  # every replica is down: the request waits for the first one back
             self.pending.append(req)
             return
-        if self.scenario.deployment.router == "round_robin":
-            replica = up[self._rr % len(up)]
-            self._rr += 1
+        if len(self.replicas) == 1:
+            replica = up[0]
         else:
-            replica = min(up, key=Replica.load)
+            states = [ReplicaState(r.index, r.engine.num_running(), r.engine.num_waiting(), r.engine.kv_usage(),
+                                   r.engine.kv_capacity_tokens()) for r in up]
+            replica = self.replicas[self.router.choose(req, states)]
         self.assigned[req.request_id] = replica.index
         replica.submit(req)
 
@@ -215,6 +221,8 @@ class Runner:
         held = sorted(rid for rid, r in self.assigned.items() if r == i)
         for rid in held:
             del self.assigned[rid]
+            if rid in self.live:
+                self.router.finished(self.live[rid], i)
         for rid in held:
             if rid in self.live:
                 self._lost(self.live[rid], i)
@@ -270,7 +278,9 @@ class Runner:
 
     def _on_done(self, req: Request, replica: int) -> None:
         self.live.pop(req.request_id, None)
-        self.assigned.pop(req.request_id, None)
+        placed = self.assigned.pop(req.request_id, None)
+        if placed is not None:
+            self.router.finished(req, placed)
         if req.status is Status.FAILED and req.finish_s < 0:
             req.finish_s = self.env.now  # when the engine refused it: requests.csv's finish_s of a failed row
         self.recorder.finished(req, replica)

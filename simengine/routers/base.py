@@ -1,0 +1,62 @@
+"""The router interface: a pure policy that picks a replica for each request from their current state (no SimPy, no
+wall clock; an injected RNG where it samples)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from simengine.config.loader import Checked
+from simengine.core.request import Request
+from simengine.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What a router may read of one replica that is up, at decision time."""
+
+    index: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float          # fraction of the replica's KV pool in use
+    kv_capacity_tokens: int
+
+    @property
+    def load(self) -> int:
+        """Requests on the replica: running and queued."""
+        return self.num_running + self.num_waiting
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoParams(Checked):
+    """A router without knobs."""
+
+
+class Router(ABC):
+    """Picks a replica for each request. `choose` gets the replicas that are up (never empty); `finished` is called
+    when a request this router placed leaves its replica (completed, failed or lost)."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type] = NoParams
+    source: ClassVar[str] = ""   # the real router this follows
+
+    def __init__(self, params, num_replicas: int, rng: np.random.Generator):
+        self.params, self.num_replicas, self.rng = params, num_replicas, rng
+
+    @abstractmethod
+    def choose(self, req: Request, replicas: list[ReplicaState]) -> int:
+        """The index (ReplicaState.index) of the replica to send `req` to."""
+
+    def finished(self, req: Request, replica: int) -> None:  # noqa: B027  (optional hook)
+        """`req`, placed on `replica`, left it."""
+
+
+ROUTERS: Registry[Router] = Registry("router")
+
+
+def least_loaded_of(replicas: list[ReplicaState]) -> int:
+    """The replica with the fewest running and queued requests (the first of equals)."""
+    return min(replicas, key=lambda r: r.load).index
