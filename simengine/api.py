@@ -28,7 +28,7 @@ from simengine.metrics.frames import (
     steps_frame,
 )
 from simengine.metrics.recorder import Recorder
-from simengine.metrics.summary import summarize
+from simengine.metrics.summary import replica_sections, summarize
 from simengine.sim.runner import Runner
 
 # Plots draw at most this many requests (every k-th by id beyond) and steps (time-binned means beyond): figures of
@@ -89,6 +89,8 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}
     if res.faults is not None:
         summary["faults"] = res.faults
+    if len(res.engines) > 1:
+        summary["replicas"] = replica_sections(res.recorder, [e.prefix_cache_tokens() for e in res.engines])
     return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down)
 

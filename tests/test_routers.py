@@ -69,3 +69,14 @@ def test_bad_router_input_names_the_field():
     with pytest.raises(InputError, match="deployment.router_params"):
         make_scenario(deployment__replicas=2, deployment__router="kv_aware",
                       deployment__router_params={"overlap_score_weight": -1})
+
+
+def test_the_summary_has_a_section_per_replica(agents):
+    for s, _ in agents.values():
+        rows = s["replicas"]
+        assert [r["replica"] for r in rows] == [0, 1, 2, 3]
+        assert sum(r["completed"] for r in rows) == s["completed"]
+        assert s["completed"] <= sum(r["requests"] for r in rows) <= s["completed"] + s["failed"]
+    rr = agents["round_robin"][0]["replicas"]
+    assert min(r["requests"] for r in rr) > 0 and all(0 < r["prefix_cache_hit_rate"] < 1 for r in rr)
+    assert sum(r["requests"] > 0 for r in agents["prefix_aware"][0]["replicas"]) == 1

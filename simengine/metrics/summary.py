@@ -239,3 +239,25 @@ def _class_summary(t: _Totals, stats: dict, c, duration: float) -> dict:
         out[f"median_{m}_ms"] = s[50] if s else None
         out[f"p99_{m}_ms"] = s[99] if s else None
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def replica_sections(rec: Recorder, prefix_tokens: list[tuple[int, int]]) -> list[dict]:
+    """Per replica (a deployment of several): the requests the router placed there that finished on it (completed
+    or failed), its completed ones, its prefix-cache hit rate (`prefix_tokens`: its engine's (queried, hit) prompt
+    tokens) and its mean KV usage over its steps."""
+    n = len(prefix_tokens)
+    placed, completed = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    done = rec.code("completed")
+    for rows in rec.request_rows():
+        on = rows["replica"] >= 0
+        placed += np.bincount(rows["replica"][on], minlength=n)[:n]
+        completed += np.bincount(rows["replica"][on & (rows["status"] == done)], minlength=n)[:n]
+    kv_sum, steps = np.zeros(n), np.zeros(n)
+    for rows in rec.step_rows():
+        r = rows["replica"].astype(np.int64)
+        kv_sum += np.bincount(r, weights=rows["kv_usage"], minlength=n)[:n]
+        steps += np.bincount(r, minlength=n)[:n]
+    return [{"replica": i, "requests": int(placed[i]), "completed": int(completed[i]),
+             "prefix_cache_hit_rate": round(hit / queried, 6) if queried else 0.0,
+             "mean_kv_usage": round(float(kv_sum[i] / steps[i]), 6) if steps[i] else 0.0}
+            for i, (queried, hit) in enumerate(prefix_tokens)]
