@@ -80,3 +80,19 @@ def test_the_summary_has_a_section_per_replica(agents):
     rr = agents["round_robin"][0]["replicas"]
     assert min(r["requests"] for r in rr) > 0 and all(0 < r["prefix_cache_hit_rate"] < 1 for r in rr)
     assert sum(r["requests"] > 0 for r in agents["prefix_aware"][0]["replicas"]) == 1
+
+
+def test_a_router_reading_old_load_reports_misplaces_requests():
+    """least_loaded with live state balances a burst; reading reports sent every 1,000 s it sees the idle replicas
+    of time 0 throughout and sends everything to the first of equals."""
+    base = dict(horizon_s=10.0, workload__arrival__rate=20.0, deployment__replicas=3, deployment__router="least_loaded")
+    live = compare(make_scenario(**base))["vllm"].requests["replica"]
+    stale = compare(make_scenario(**base, deployment__router_state_delay_s=1000.0))["vllm"].requests["replica"]
+    assert live.nunique() == 3 and set(stale) == {0}
+
+
+def test_a_routing_decision_delays_every_request_by_its_time():
+    base = dict(horizon_s=10.0, workload__arrival__rate=2.0, deployment__replicas=2, deployment__router="round_robin")
+    fast = compare(make_scenario(**base))["vllm"].requests.set_index("request_id")
+    slow = compare(make_scenario(**base, deployment__router_decision_s=0.25))["vllm"].requests.set_index("request_id")
+    assert ((slow["ttft_ms"] - fast["ttft_ms"]) - 250.0).abs().max() < 1.0   # light load: nothing else changes

@@ -59,6 +59,10 @@ class DeploymentConfig(Checked):
     replicas: Devices = 1
     router: str = "least_loaded"    # a name from `simengine list routers` (docs/cluster.md)
     router_params: dict[str, Any] = field(default_factory=dict)  # that router's knobs, by their real names
+    # the router reads replica state from load reports sent every this many seconds (0: live state), and each of
+    # its decisions delays the request this long (both only with several replicas)
+    router_state_delay_s: Annotated[float, Range(0, 1e6, unit="seconds")] = 0.0
+    router_decision_s: Annotated[float, Range(0, 1e3, unit="seconds")] = 0.0
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)

@@ -144,6 +144,7 @@ class Runner:
         self.router = router(from_dict(router.Params, d.router_params, source="scenario",
                                        field="deployment.router_params"),
                              d.replicas, np.random.default_rng([scenario.seed, 104729]))
+        self.reported: list[ReplicaState] | None = None   # load reports (deployment.router_state_delay_s > 0)
         # replica failures (deployment.failures): which replica holds each live request, who is up, the requests
         # waiting for any replica to come back, and the log
         self.check_invariants = check_invariants
@@ -167,6 +168,8 @@ class Runner:
             req.token_times = array("d")
         self.live[req.request_id] = req
         wait = req.arrival_s + self.frontend_s - self.env.now   # an open loop already waited for it
+        if len(self.replicas) > 1:
+            wait += self.scenario.deployment.router_decision_s
         if req.structured and self.compile_s:
             # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
             # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
@@ -187,12 +190,23 @@ class Runner:
             return
         if len(self.replicas) == 1:
             replica = up[0]
+        elif self.reported is not None:   # the last load report of each replica that is up
+            replica = self.replicas[self.router.choose(req, [self.reported[r.index] for r in up])]
         else:
-            states = [ReplicaState(r.index, r.engine.num_running(), r.engine.num_waiting(), r.engine.kv_usage(),
-                                   r.engine.kv_capacity_tokens()) for r in up]
-            replica = self.replicas[self.router.choose(req, states)]
+            replica = self.replicas[self.router.choose(req, [self._state(r) for r in up])]
         self.assigned[req.request_id] = replica.index
         replica.submit(req)
+
+    @staticmethod
+    def _state(r: Replica) -> ReplicaState:
+        e = r.engine
+        return ReplicaState(r.index, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens())
+
+    def _load_reports(self, every_s: float):
+        """Every replica reports its state every `every_s` seconds; the router sees only the latest reports."""
+        while True:
+            self.reported = [self._state(r) for r in self.replicas]
+            yield self.env.timeout(every_s)
 
     # ---- failures -------------------------------------------------------------------------------------------
     def _stated_failure(self, i: int, at_s: float, down_s: float):
@@ -253,6 +267,11 @@ class Runner:
         req.finish_s = self.env.now
         self.failed_by_fault += 1
         self._on_done(req, i)
+
+    def start_load_reports(self) -> None:
+        delay = self.scenario.deployment.router_state_delay_s
+        if delay > 0 and len(self.replicas) > 1:
+            self.env.process(self._load_reports(delay))
 
     def start_failures(self) -> None:
         cfg = self.scenario.deployment.failures
@@ -390,6 +409,7 @@ class Runner:
         `progress(simulated_s, requests_done)` is called about twice a wall-clock second (a display only)."""
         self.start_sources()
         self.start_failures()
+        self.start_load_reports()
         limit = self.env.timeout(self.scenario.horizon_s + self.scenario.drain_s)
         end = self.env.any_of([self.all_done, limit])
         partial = False
