@@ -12,7 +12,7 @@ import numpy as np
 from simengine.config.scenario import Scenario
 from simengine.metrics.recorder import Recorder
 
-# vLLM's result keys (../shared/reference/metrics.md): setup, results, and per metric mean/median/std/percentiles
+# vLLM's result keys (vllm/benchmarks/serve.py main_async and benchmark): setup, results, per metric mean/median/std/p99
 STAT_METRICS = ("ttft", "tpot", "itl", "e2el")
 STAT_KEYS = ("mean", "median", "std", "p99")   # vLLM's default --metric-percentiles is "99"
 LIST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
