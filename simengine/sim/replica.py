@@ -28,9 +28,6 @@ class Replica:
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
 
-    def load(self) -> int:
-        return self.engine.num_running() + self.engine.num_waiting()
-
     def submit(self, req: Request) -> None:
         """Hand a request to the engine; a rejection is final and reported at once."""
         if not self.engine.add_request(req, self.env.now):
