@@ -2,9 +2,8 @@
 
 Free blocks form one LRU queue: allocation takes from the front; a freed request's cached blocks join the tail in
 reverse, so the end of a prefix chain is evicted before its head, and its blocks without a cached hash go to the
-front, reused first. A taken block that still owns a cached hash
-drops it then (lazy eviction). A cached block with ref count 0 can be touched back out of the queue by a prefix
-hit.
+front, reused first. A taken block that still owns a cached hash drops it then (lazy eviction). A cached block with
+ref count 0 can be touched back out of the queue by a prefix hit.
 
 The queue is a list of block ids in LRU order from `head` on (taking n blocks is one slice; the taken prefix is
 dropped once it is most of the list). A touch leaves the block's entry behind as a stale one (counted
@@ -138,13 +137,8 @@ class BlockPool:
         self.num_free -= 1
         b = self._take(1)[0]
         self.ref_cnt[b] = 1
-        h = self.block_hash[b]
-        if h is not None:
-            self.block_hash[b] = None
-            if self.dups and h in self.dups:
-                self._unmap(h, b)
-            else:
-                del self.cached[h]
+        if self.block_hash[b] is not None:
+            self.uncache(b)
         return b
 
     def touch(self, blocks: list[int]) -> None:
