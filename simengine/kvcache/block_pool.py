@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+FRONT_SLACK = 4096   # taken entries left before the head when the queue is rebuilt for blocks freed to the front
+
 
 class BlockPool:
     """`num_blocks` KV blocks. Contract: ref counts never negative; used + free == num_blocks; a block's
@@ -158,17 +160,26 @@ class BlockPool:
         a block reaching 0 that holds a cached hash joins the LRU tail (evicted last, in FIFO order); one without
         (a partial block, or caching off) goes to the front, to be reused first. The first `num_full` blocks count as
         cached even without a hash (full blocks the manager left unpublished, which vLLM would have cached)."""
-        ref_cnt, block_hash, stale = self.ref_cnt, self.block_hash, self.stale
-        last, first = [], []
-        for i in range(len(blocks) - 1, -1, -1):
-            b = blocks[i]
+        ref_cnt = self.ref_cnt
+        split = num_full if self.enable_caching else 0
+        first, last = [], []
+        if split < len(blocks):   # the tail past the full blocks: mostly one partial block
+            block_hash, stale, caching = self.block_hash, self.stale, self.enable_caching
+            for b in reversed(blocks[split:]):
+                c = ref_cnt[b] - 1
+                ref_cnt[b] = c
+                if not c:
+                    if caching and block_hash[b] is not None or b in stale:
+                        last.append(b)   # (a block with stale entries must keep its live entry after them)
+                    else:
+                        first.append(b)
+                elif c < 0:
+                    raise RuntimeError(f"block {b} ref count went negative")
+        for b in reversed(blocks[:split]) if split else ():
             c = ref_cnt[b] - 1
             ref_cnt[b] = c
             if not c:
-                if self.enable_caching and (block_hash[b] is not None or i < num_full) or b in stale:
-                    last.append(b)   # (a block with stale entries must keep its live entry after them)
-                else:
-                    first.append(b)
+                last.append(b)
             elif c < 0:
                 raise RuntimeError(f"block {b} ref count went negative")
         if first:
@@ -176,8 +187,9 @@ class BlockPool:
             if head >= k:    # over taken entries before the head
                 queue[head - k:head] = first
                 self.head = head - k
-            else:
-                self.free_queue, self.head = first + queue[head:], 0
+            else:            # a new list with slack before the head, so the next prepends are O(their length)
+                pad = max(FRONT_SLACK, k)
+                self.free_queue, self.head = [0] * (pad - k) + first + queue[head:], pad - k
         self.free_queue.extend(last)
         self.num_free += len(last) + len(first)
 
