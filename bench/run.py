@@ -9,6 +9,8 @@ model's cost on record; a bare SimPy loop of 1M timeouts as the machine referenc
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
 (`--repeat`, default 3) and the fastest counts. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
+Clusters: `cluster_seconds_100k_16r`, 100k requests on 16 replicas at 16 times the rate, and `cluster_cost_ratio`,
+its seconds per request over the single replica's 100k run (routing, load states and 16 engine loops).
 Planning: `sweep_seconds_200`, a 200-point sweep (10 engines x 4 devices x 5 rates, 2,000 requests each) on this
 machine's cores, and `capacity_runs`, the simulations one capacity search (vLLM, p99 TTFT <= 2 s) needs;
 `--planning` measures only these and merges them into an existing bench.json.
@@ -32,11 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def scenario_dict(num_requests: int, rate: float | None, engine: str) -> dict:
-    """`engine` may carry the cost model after a colon: vllm:roofline."""
+    """`engine` may carry the cost model after a colon (vllm:roofline) and a replica count after an at sign
+    (vllm@16: that many replicas behind least_loaded)."""
+    engine, _, replicas = engine.partition("@")
     engine, _, cost_model = engine.partition(":")
     arrival = {"process": "poisson", "rate": rate} if rate else {"process": "offline"}
     return {"name": "bench", "seed": 1, "horizon_s": 1e7, "drain_s": 1e6,
-            "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b", "cost_model": cost_model or "auto"},
+            "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b", "cost_model": cost_model or "auto",
+                           "replicas": int(replicas or 1)},
             "workload": {"arrival": arrival, "num_requests": num_requests,
                          "input_tokens": {"dist": "lognormal", "mean": 1000, "sigma": 0.8, "max": 8000},
                          "output_tokens": {"dist": "lognormal", "mean": 250, "sigma": 0.8, "max": 2048}},
@@ -172,6 +177,7 @@ def main() -> None:
     per_engine = {e: runs[sizes[0]] if e == "vllm" else best_of(args.repeat, e, sizes[0], rate)
                   for e in ENGINES.names() if e != "generic"}
     roofline = {e: best_of(args.repeat, f"{e}:roofline", sizes[0], rate) for e in per_engine}
+    cluster = measure("vllm@16", 100_000, round(16 * rate, 3)) if 100_000 in runs else None
     from simengine.cost.measured import data_root
     measured_on = data_root() is not None
     xs = [math.log(n) for n in sizes]
@@ -207,6 +213,8 @@ def main() -> None:
                                                 for e, r in roofline.items()},
         "worst_measured_to_roofline_10k": round(max(per_engine[e]["seconds"] / r["seconds"]
                                                     for e, r in roofline.items()), 2),
+        "cluster_seconds_100k_16r": round(cluster["seconds"], 3) if cluster else None,
+        "cluster_cost_ratio": round(cluster["seconds"] / runs[100_000]["seconds"], 3) if cluster else None,
         "runs": {str(n): r for n, r in runs.items()},
         **planning(rate),
     }
@@ -215,7 +223,8 @@ def main() -> None:
     print(f"{'measurement':34s} {'value':>12s}")
     for k in ("simpy_1m_seconds", "seconds_10k", "seconds_100k", "seconds_1m", "seconds_10m", "requests_per_s_10k",
               "steps_per_s_10k", "peak_rss_mb_1m", "peak_rss_mb_10m", "scaling_exponent", "ratio_10k_to_simpy_1m",
-              "cpu_seconds_10k", "measured_kernels_installed", "worst_measured_to_roofline_10k",
+              "cpu_seconds_10k", "cluster_seconds_100k_16r", "cluster_cost_ratio", "measured_kernels_installed",
+              "worst_measured_to_roofline_10k",
               "sweep_seconds_200", "capacity_runs"):
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():

@@ -49,6 +49,8 @@ class EngineResult:
     kv_capacity_tokens: int
     cost_model: str = ""          # which step-time model priced the run (measured kernels, fallbacks, roofline)
     down: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)  # replica failures (from, to)
+    pools: list[str] = dataclasses.field(default_factory=list)   # each replica's pool
+    links: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)  # KV link busy spans
 
     @cached_property
     def requests(self) -> pd.DataFrame:
@@ -78,21 +80,33 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     t0 = time.perf_counter()
     runner = Runner(scenario, entry, check_invariants=check_invariants)
     res = runner.run(deadline=deadline, progress=progress)
-    dep = res.deployment
-    queried, hit = np.sum([e.prefix_cache_tokens() for e in res.engines], axis=0)  # over replicas, by token
-    summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s,
-                        num_devices=dep.num_devices * scenario.deployment.replicas,
-                        price_usd_per_hour=dep.hardware.price_usd_per_hour,
-                        prefix_hit_rate=float(hit / queried) if queried else 0.0, horizon_s=scenario.horizon_s,
-                        replicas=scenario.deployment.replicas, classes=scenario.workload.classes)
+    pools = res.pools
+    num_devices = sum(p.num_devices for p in pools)
+    prices = [(p.num_devices, p.dep.hardware.price_usd_per_hour) for p in pools]
+    price = None if any(v is None for _, v in prices) else sum(n * v for n, v in prices) / num_devices
+    # the prefix cache of the first hop (mixed or prefill replicas), by token over replicas: the decode side only
+    # looks up what it is about to receive
+    first_hop = [e for e, p in zip(res.engines, runner.pool_of, strict=True) if p.role != "decode"]
+    queried, hit = np.sum([e.prefix_cache_tokens() for e in first_hop], axis=0)
+    summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s, num_devices=num_devices,
+                        price_usd_per_hour=price, prefix_hit_rate=float(hit / queried) if queried else 0.0,
+                        horizon_s=scenario.horizon_s, replicas=len(res.engines), classes=scenario.workload.classes)
     summary = {"engine": entry.engine, "label": entry.display, **summary,
                "kv_capacity_tokens": res.engines[0].kv_capacity_tokens(), "partial": res.partial}
     if res.faults is not None:
         summary["faults"] = res.faults
     if len(res.engines) > 1:
-        summary["replicas"] = replica_sections(res.recorder, [e.prefix_cache_tokens() for e in res.engines])
+        summary["replicas"] = replica_sections(res.recorder, [e.prefix_cache_tokens() for e in res.engines],
+                                               res.decisions, [p.name for p in runner.pool_of])
+    if len(pools) > 1:
+        summary["pools"] = [{"name": p.name, "role": p.role, "engine": p.entry.engine, "hardware": p.dep.hardware.name,
+                             "tp": p.dep.tp, "pp": p.dep.pp, "replicas": list(p.indices), "devices": p.num_devices}
+                            for p in pools]
+    if res.disaggregation is not None:
+        summary["disaggregation"] = res.disaggregation
     return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
-                        res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down)
+                        res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down,
+                        [p.name for p in runner.pool_of], runner.link_spans())
 
 
 def engine_entries(scenario: Scenario, engines: list[EngineEntry | str] | None) -> list[EngineEntry]:
@@ -270,6 +284,10 @@ def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir:
                                               r.down, scenario.slo), f"{label}_latency_timeline.png"))
         jobs.append((plots.kv_timeline, (steps, f"{scenario.name} · {label}: KV cache and queues · {setup}"),
                      f"{label}_kv_timeline.png"))
+        if len(r.pools) > 1:
+            jobs.append((plots.cluster_timeline, (steps, r.pools, r.links, r.end_s,
+                                                  f"{scenario.name} · {label}: replicas and KV links"),
+                         f"{label}_cluster_timeline.png"))
     jobs.append((plots.engines_grid, (frames, {k: v.summary for k, v in results.items()},
                                       f"{scenario.name}: engines side by side · {setup}", scenario.slo),
                  "engines_side_by_side.png"))

@@ -107,7 +107,7 @@ def cmd_run(args) -> int:
     from simengine.api import compare, write_plots, write_results
     from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.report.tables import format_table
-    from simengine.sim.runner import build_deployment, build_engine
+    from simengine.sim.build import plan_pools
 
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario)
@@ -116,11 +116,11 @@ def cmd_run(args) -> int:
     out = Path(args.out) / scenario.name
     _progress.update(kept=f"nothing: the simulation was running ({out} is as it was)")
     skipped: dict[str, str] = {}   # engines this deployment cannot serve, with the reason
+    layouts = {}
     try:
-        dep = build_deployment(scenario)
-        for e in engines:  # validate every engine before running any (no half-written results)
+        for e in engines:  # validate every engine and its pools before running any (no half-written results)
             try:
-                build_engine(e, dep)
+                layouts[e.display] = plan_pools(scenario, e)
             except CannotRun as exc:
                 if len(engines) == 1:
                     raise
@@ -152,6 +152,10 @@ def cmd_run(args) -> int:
     d = scenario.deployment
     print(f"{scenario.name}: {d.model} ({d.weight_dtype}) on {d.replicas}x{d.tp * d.pp} {d.hardware}, "
           f"seed {scenario.seed}")
+    for label, pools in layouts.items():
+        if len(pools) > 1 or pools[0].config != d:
+            print(f"  {label}: " + " + ".join(f"{p.name} ({p.role}, {p.entry.engine}) {p.count}x{p.dep.num_devices} "
+                                               f"{p.dep.hardware.name}" for p in pools))
     print(format_table({k: v.summary for k, v in results.items()}))
     for label, reason in skipped.items():
         print(f"{label}: did not run: {reason}")
@@ -201,7 +205,7 @@ def cmd_capacity(args) -> int:
     from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.planning import output
     from simengine.planning.capacity import parse_slo, rated, requests_per_run, search
-    from simengine.sim.runner import build_deployment, build_engine
+    from simengine.sim.build import build_deployment, plan_pools
 
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario)
@@ -210,8 +214,8 @@ def cmd_capacity(args) -> int:
         raise InputError(f"must be a rate in requests per second > 0, got {args.target_rate:g}", field="--target-rate")
     try:
         dep = build_deployment(scenario)
-        for e in engines:  # every engine checked before any runs
-            build_engine(e, dep)
+        for e in engines:  # every engine and its pools checked before any runs
+            plan_pools(scenario, e)
         rated(scenario)
         requests_per_run(scenario)
     except InputError as exc:
@@ -274,7 +278,7 @@ def cmd_recommend(args) -> int:
     from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.planning.capacity import parse_slo, rated, requests_per_run
     from simengine.planning.recommend import PRIORITIES, recommend, why
-    from simengine.sim.runner import build_deployment
+    from simengine.sim.build import build_deployment
 
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario) if args.engines else None

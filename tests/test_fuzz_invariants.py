@@ -44,7 +44,8 @@ from simengine.config.scenario import EngineEntry, Scenario
 from simengine.engines import ENGINES
 from simengine.errors import InputError
 from simengine.routers import ROUTERS
-from simengine.sim.runner import Runner, build_deployment
+from simengine.sim.build import build_deployment, plan_pools
+from simengine.sim.runner import Runner
 from tests.fuzz_report import FUZZ
 
 ENGINE_NAMES = ENGINES.names()
@@ -133,6 +134,14 @@ def scenarios(draw, engine: str | None = None):
     elif failures == "random":
         data["deployment"]["failures"] = {"mtbf_s": draw(st.sampled_from([0.5, 5.0])), "mttr_s": 0.5,
                                           "max_retries": draw(st.sampled_from([0, 2]))}
+    prefill_role = [n for n in ENGINE_NAMES if "prefill" in ENGINES.get(n).disaggregation_roles]
+    if engine in prefill_role and not failures and draw(st.sampled_from([False, False, True])):
+        # prefill/decode pools: the drawn engine prefills (its knobs below), vLLM decodes (the drawn knobs too when
+        # it is the drawn engine, else its defaults)
+        data["pools"] = [{"role": "prefill", "replicas": draw(st.sampled_from([1, 2])),
+                          "kv_transfer": draw(st.sampled_from(["after_prefill", "layerwise"]))},
+                         {"role": "decode", "replicas": draw(st.sampled_from([1, 2])),
+                          **({} if engine == "vllm" else {"engine": "vllm"})}]
     kv_tokens = draw(st.sampled_from([0, 600, 2500, 9000, 40000]))  # 0: the engine's own sizing
     caps = {"batch": draw(st.sampled_from([None, 1, 3, 16])), "tokens": draw(st.sampled_from([None, 64, 512, 4096]))}
     return engine, data, kv_tokens, caps
@@ -149,14 +158,8 @@ def build(engine: str, data: dict, kv_tokens: int, caps: dict) -> Scenario:
             params[key] = value
     entry = EngineEntry(engine=engine, params=params)
     sc = dataclasses.replace(sc, engines=[entry])
-    dep = build_deployment(sc)
-    api_build_engine(entry, dep)  # refuse impossible knobs (does not fit, ...) as the CLI would
+    plan_pools(sc, entry)  # refuse impossible knobs (does not fit, ...) as the CLI would
     return sc
-
-
-def api_build_engine(entry, dep):
-    from simengine.sim.runner import build_engine
-    return build_engine(entry, dep)
 
 
 # ---- running with a departure log ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from simengine.config.scenario import EngineEntry
 from simengine.planning.recommend import candidates, recommend, why
-from simengine.sim.runner import build_deployment
+from simengine.sim.build import build_deployment
 from tests.conftest import make_scenario
 
 REPO = Path(__file__).resolve().parents[1]

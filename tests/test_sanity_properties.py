@@ -20,7 +20,7 @@ from simengine.config.scenario import EngineEntry
 from simengine.core.batch import BatchShape
 from simengine.engines import ENGINES
 from simengine.errors import InputError
-from simengine.sim.runner import build_engine, cost_model
+from simengine.sim.build import build_engine, cost_model
 from simengine.validate.run import decode_shape, prefill_shapes
 from tests.conftest import make_dep, make_scenario
 
@@ -106,7 +106,7 @@ def test_more_kv_memory_never_lowers_throughput_at_saturation(engine):
                            workload__num_requests=120, engines=[engine],
                            workload__input_tokens={"dist": "constant", "value": 2000},
                            workload__output_tokens={"dist": "constant", "value": 200})
-        from simengine.sim import runner as runner_mod
+        from simengine.sim import build as runner_mod
         real = runner_mod.load_hardware
 
         def bigger(name, **kw):

@@ -137,7 +137,7 @@ def test_pipeline_parallel_keeps_micro_batches_in_flight():
 
 def test_the_frontend_delays_every_request_by_its_latency():
     """frontend_s shifts each request's TTFT and E2E by exactly its size (open loop: the schedule is the same)."""
-    from simengine.sim import runner
+    from simengine.sim import build as runner
 
     sc = make_scenario(workload__num_requests=40, engines=["sglang"])
     base = run_engine(sc, sc.engines[0]).requests

@@ -29,6 +29,15 @@ class InterconnectYaml:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NetworkYaml:
+    """The scale-out network between nodes, per device (each device's own NIC in DGX/HGX-style nodes)."""
+
+    name: str
+    bandwidth_gb_s_per_device: float          # per direction
+    latency_us: float                         # one small RDMA transfer, end to end
+
+
+@dataclass(frozen=True, kw_only=True)
 class EfficiencyYaml:
     gemm_fraction: float | dict[str, float]   # one value, or per compute dtype with a `default`
     memory_bandwidth_fraction: float
@@ -48,6 +57,7 @@ class HardwareYaml:
     peak_tflops: dict[str, float]
     interconnect: InterconnectYaml
     node_size: int
+    network: NetworkYaml | None = None        # across nodes; none: no modelled transfer leaves the node
     tdp_w: float | None = None
     price_usd_per_hour: float | None = None
     price_source_date: str | None = None
@@ -86,6 +96,8 @@ class Hardware:
     boost_clock_hz: float | None = None
     # the physical terms' values before `simengine calibrate` fitted them (calibration.prior_<term> in the YAML)
     calibration_priors: dict[str, float] = field(default_factory=dict)
+    network_bandwidth_bytes_s: float = 0.0   # per device and direction across nodes (0: none described)
+    network_latency_s: float = 0.0
     path: str = ""
 
     def peak(self, dtype: str) -> float:
@@ -118,7 +130,8 @@ CONFIDENCE = ("A", "B", "C")
 # sold today (512 GB unified memory, 8 TB/s HBM3e, ~10 PFLOP/s dense FP4).
 _LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops": 100_000.0,
            "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
-           "interconnect.custom_allreduce_latency_us": 1e6,
+           "interconnect.custom_allreduce_latency_us": 1e6, "network.bandwidth_gb_s_per_device": 100_000.0,
+           "network.latency_us": 1e6,
            "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0, "sm_count": 10_000.0, "boost_clock_mhz": 10_000.0}
 
 
@@ -177,6 +190,9 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
                          field="efficiency.kernel_floor_us")
     _check_range(y.interconnect.custom_allreduce_latency_us, "interconnect.custom_allreduce_latency_us", src,
                  allow_zero=True)
+    if y.network is not None:
+        _check_range(y.network.bandwidth_gb_s_per_device, "network.bandwidth_gb_s_per_device", src)
+        _check_range(y.network.latency_us, "network.latency_us", src, allow_zero=True)
     if not 1 <= y.node_size <= 1024:
         raise InputError(f"must be an integer in 1..1024, got {y.node_size}", source=src, field="node_size")
     if y.node_size > 1 and y.interconnect.bandwidth_gb_s_per_direction == 0:
@@ -198,6 +214,8 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
         kernel_tables=y.kernel_tables, path=src, sm_count=y.sm_count,
         boost_clock_hz=None if y.boost_clock_mhz is None else y.boost_clock_mhz * 1e6,
+        network_bandwidth_bytes_s=0.0 if y.network is None else y.network.bandwidth_gb_s_per_device * 1e9,
+        network_latency_s=0.0 if y.network is None else y.network.latency_us * 1e-6,
         calibration_priors={k[len("prior_"):]: float(v) for k, v in y.calibration.items()
                             if k.startswith("prior_") and isinstance(v, int | float)})
 

@@ -67,6 +67,9 @@ class DeploymentConfig(Checked):
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
     failures: FailureConfig | None = None
+    # prefill/decode pools (docs/cluster.md 'Disaggregation'): the KV moves once the prefill is done, or streams
+    # layer by layer while it computes (Mooncake, DistServe), the decode side reserving its blocks when it starts
+    kv_transfer: Literal["after_prefill", "layerwise"] = "after_prefill"
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,13 +83,59 @@ class DeploymentConfig(Checked):
                                  f"(0..{self.replicas - 1})", field=f"deployment.failures.at[{i}].replica")
 
 
+# DeploymentConfig fields a pool may set for itself (the others are the cluster's: router timing, failures, ...)
+POOL_FIELDS = ("hardware", "model", "weight_dtype", "kv_dtype", "tp", "pp", "replicas", "expert_parallel", "router",
+               "router_params", "kv_transfer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig(Checked):
+    """A group of identical replicas (docs/cluster.md 'Pools'): the deployment's fields it does not set, its role,
+    and optionally its own engine (else the engine of the run)."""
+
+    name: str = ""
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    engine: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    hardware: str | None = None
+    model: str | None = None
+    weight_dtype: str | None = None
+    kv_dtype: str | None = None
+    tp: Devices | None = None
+    pp: Devices | None = None
+    replicas: Devices | None = None
+    expert_parallel: bool | None = None
+    router: str | None = None           # the tier's router is its first pool's (mixed/prefill, and decode)
+    router_params: dict[str, Any] | None = None
+    kv_transfer: Literal["after_prefill", "layerwise"] | None = None   # a prefill pool's way of sending KV
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.router is not None:
+            from simengine.routers import ROUTERS
+
+            router = ROUTERS.get(self.router, field="router")
+            from_dict(router.Params, self.router_params or {}, source="scenario", field="router_params")
+
+    def deployment(self, base: DeploymentConfig) -> DeploymentConfig:
+        """The deployment this pool runs: `base` with the fields the pool sets."""
+        import dataclasses
+
+        mine = {k: getattr(self, k) for k in POOL_FIELDS if getattr(self, k) is not None}
+        if "router" in mine and "router_params" not in mine:
+            mine["router_params"] = {}   # another router's knobs do not carry over
+        return dataclasses.replace(base, **mine, failures=None) if mine or base.failures else base
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineEntry:
-    """One engine to run: its registry name, a label for tables, and knob overrides."""
+    """One engine to run: its registry name, a label for tables, knob overrides, and optionally its own pools
+    (a cluster layout compared side by side with the others, e.g. disaggregated against colocated)."""
 
     engine: str
     label: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    pools: list[PoolConfig] | None = None
 
     @property
     def display(self) -> str:
@@ -121,6 +170,11 @@ class Scenario(Checked):
     engines: list[EngineEntry] = field(default_factory=lambda: [EngineEntry(engine="vllm")])
     slo: SloConfig = field(default_factory=SloConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    pools: list[PoolConfig] | None = None   # the cluster of every engine entry without pools of its own
+
+    def pools_of(self, entry: EngineEntry) -> list[PoolConfig]:
+        """The pools a run of `entry` deploys: its own, else the scenario's, else one mixed pool (the deployment)."""
+        return entry.pools or self.pools or [PoolConfig()]
 
     def __post_init__(self):
         super().__post_init__()
@@ -226,5 +280,13 @@ def check_engines(scenario: Scenario, *, source: str) -> None:
             raise InputError(f"expected a mapping of {e.engine} knobs, got {type(e.params).__name__}",
                              source=source, field=f"engines[{i}].params")
         from_dict(ENGINES.get(e.engine).Params, e.params, source=source, field=f"engines[{i}].params")
+    for where, pools in [("pools", scenario.pools)] + [(f"engines[{i}].pools", e.pools)
+                                                       for i, e in enumerate(scenario.engines)]:
+        for j, pool in enumerate(pools or []):
+            if pool.engine is None:
+                continue
+            if pool.engine not in ENGINES.names():
+                raise unknown_name("engine", pool.engine, ENGINES.names(), source=source, field=f"{where}[{j}].engine")
+            from_dict(ENGINES.get(pool.engine).Params, pool.params, source=source, field=f"{where}[{j}].params")
 
 

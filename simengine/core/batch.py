@@ -39,6 +39,7 @@ class SchedulerOutput:
     shape: BatchShape = field(default_factory=BatchShape)
     idle_reason: str = ""           # why nothing was scheduled although work is waiting
     released: int = 0               # requests freed after this decision (vLLM async): a retry may admit more
+    kv_reserved: list[Request] = field(default_factory=list)  # P/D decode side: blocks reserved for remote KV
     # the first `num_lazy` scheduled entries are steady decodes (one token each) whose counters the engine
     # advances itself (vLLM's decode cohort); the shared update and make_shape skip them
     num_lazy: int = 0

@@ -29,7 +29,7 @@ class Request:
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
-        "hash_batch", "unique_outputs", "private_from", "token_times",
+        "hash_batch", "unique_outputs", "private_from", "token_times", "hold_kv", "remote_kv_tokens",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
@@ -72,6 +72,12 @@ class Request:
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or
                                       # prefix publish (its per-step fast path); 0 = ask the manager
         self.token_times: array | None = None  # when set (the runner's detailed requests): each output token's time
+        # prefill/decode disaggregation (docs/cluster.md): a prefill replica keeps the KV of a `hold_kv` request
+        # after it finishes, until its decode replica has pulled it (EnginePolicy.free_held); a decode replica
+        # reserves blocks for a request with remote_kv_tokens > 0, sets it to the tokens it will pull, and
+        # schedules the request once they arrived (EnginePolicy.remote_kv_arrived), when it is 0 again
+        self.hold_kv = False
+        self.remote_kv_tokens = 0
 
     @property
     def num_tokens(self) -> int:

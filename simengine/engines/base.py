@@ -49,6 +49,10 @@ class EnginePolicy(ABC):
     # whose measured kernel tables price the engine's GPU work (cost/measured.py): its own backend, or the nearest
     # one whose kernels it shares; None for engines with kernels of their own no table measured (the roofline)
     kernel_backend: ClassVar[str | None] = None
+    # the prefill/decode disaggregation roles ("prefill", "decode") the engine takes here (docs/cluster.md): a
+    # prefill role keeps a finished `hold_kv` request's KV until `free_held`; a decode role reserves blocks for
+    # `remote_kv_tokens` (SchedulerOutput.kv_reserved) and schedules the request after `remote_kv_arrived`
+    disaggregation_roles: ClassVar[frozenset[str]] = frozenset()
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)
@@ -59,6 +63,7 @@ class EnginePolicy(ABC):
         self.dep = dep
         self.max_model_len = dep.model.max_model_len
         self.num_preemptions = 0
+        self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled
         self.timing: EngineTiming = self.make_timing()
 
     def engine_gemm_flops_s(self) -> float | None:
@@ -96,6 +101,22 @@ class EnginePolicy(ABC):
     def prefix_cache_tokens(self) -> tuple[int, int]:
         """Prefix-cache (queried, hit) prompt tokens so far (vLLM's prefix_cache_queries and _hits)."""
         return 0, 0
+
+    def free_held(self, req: Request) -> None:
+        """P/D prefill side: the decode replica has pulled `req`'s KV; free what `release` kept. (Before the
+        release, the request is simply released as usual when it comes.)"""
+        held = self.held.pop(req.request_id, None)
+        req.hold_kv = False
+        if held is not None:
+            self.free_kv(held)
+
+    def free_kv(self, req: Request) -> None:
+        """Free a released request's KV (the prefill role's deferred half of `release`)."""
+        raise NotImplementedError(f"{self.name} has no prefill role")
+
+    def remote_kv_arrived(self, req: Request) -> None:
+        """P/D decode side: the KV of the request's reserved blocks has arrived; it may be scheduled."""
+        raise NotImplementedError(f"{self.name} has no decode role")
 
     def prefix_hit_rate(self) -> float:
         queries, hits = self.prefix_cache_tokens()
@@ -270,6 +291,12 @@ class PagedEngine(EnginePolicy):
 
     def release(self, req: Request) -> None:
         self.running.remove(req)
+        if req.hold_kv:   # P/D prefill side: the blocks stay until the decode replica has pulled them
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+
+    def free_kv(self, req: Request) -> None:
         self.kv.free(req)
 
     def admit_head(self, n: int, now: float, out: SchedulerOutput) -> Request:
@@ -295,7 +322,8 @@ class PagedEngine(EnginePolicy):
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
-        held = {b for r in self.running for b in self.kv.req_blocks.get(r.request_id, ())}
+        held = {b for reqs in (self.running, self.held.values()) for r in reqs
+                for b in self.kv.req_blocks.get(r.request_id, ())}
         assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once
         for r in self.running:  # the manager's fast path never lets tokens past the blocks a request holds
             assert r.kv_settled_tokens <= self.kv.num_blocks_of(r) * self.kv.block_size, "settled past blocks"

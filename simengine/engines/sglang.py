@@ -125,6 +125,10 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
     support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
                       "sgl-kernel-npu ('Ascend NPUs' platform page)")
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
+    # --disaggregation-mode prefill: a finished request's KV stays locked in the inflight queue until the
+    # transfer backend (mooncake, nixl) has sent it (python/sglang/srt/disaggregation/prefill.py); the decode
+    # mode's prealloc and transfer queues are not modelled here
+    disaggregation_roles = frozenset({"prefill"})
 
     def __init__(self, params: SglangParams, dep: Deployment):
         p = params
@@ -203,9 +207,16 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         hold = req.engine_state
         if hold is not None:
             self.cache.commit(hold, req.token_ids[:req.num_computed_tokens])   # cache_finished_req
-            self.cache.release(hold)
-            req.engine_state = None
+            if req.hold_kv:   # P/D prefill side: locked until the decode side has pulled it
+                self.held[req.request_id] = req
+            else:
+                self.cache.release(hold)
+                req.engine_state = None
         self._entry.pop(req.request_id, None)
+
+    def free_kv(self, req: Request) -> None:
+        self.cache.release(req.engine_state)
+        req.engine_state = None
 
     def on_finished(self, finished: list[Request], now: float) -> None:
         done = {id(r) for r in finished}
@@ -425,7 +436,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
-        holders = self.running + ([self.chunked] if self.chunked is not None else [])
+        holders = self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
         assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"
         assert len(self.running) <= self.max_running_requests
         assert all(r.engine_state is None for r in self.waiting), "a waiting request holds KV"

@@ -106,6 +106,10 @@ class TrtllmEngine(PagedEngine):
     Params = TrtllmParams
     vendors = frozenset({"nvidia"})
     kernel_backend = "trtllm"  # TensorRT-LLM's own kernels (aiconfigurator-core's trtllm tables)
+    # disaggregated serving: a context-only request keeps its blocks until the kv_cache_transceiver has sent them
+    # (docs/source/advanced/disaggregated-service.md, `trtllm-serve disaggregated`); its generation side is not
+    # modelled here
+    disaggregation_roles = frozenset({"prefill"})
     device_classes = frozenset({"datacenter", "workstation", "consumer", "edge"})
     support_source = ("TensorRT-LLM docs 'Supported hardware' (NVIDIA GPUs only: Blackwell, Hopper, Ada, Ampere; "
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
@@ -162,9 +166,8 @@ class TrtllmEngine(PagedEngine):
         return True
 
     def release(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
         req.engine_state = None
+        super().release(req)
 
     def on_finished(self, finished: list[Request], now: float) -> None:
         if self.overlap:

@@ -22,7 +22,7 @@ from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTim
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
-from simengine.kvcache.manager import NO_HIT, KVCacheManager
+from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 GIB = 2**30
 
@@ -75,6 +75,9 @@ class VllmEngine(PagedEngine):
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
     supports_pipeline_microbatches = True  # v1/engine/core.py step_with_batch_queue: pp batches in flight
+    # KV connectors (NixlConnector, P2pNcclConnector, Mooncake): kv_role kv_producer / kv_consumer
+    # (vllm/distributed/kv_transfer/, docs/features/disagg_prefill.md)
+    disaggregation_roles = frozenset({"prefill", "decode"})
     # A steady decode (one token a step, no KV event and not its last token in sight) joins a cohort whose counters
     # advance lazily: a step walks only the other running requests and prices the cohort from two sums. When the
     # step's tokens or blocks might not fit (a cap could bind, an allocation could fail) the cohort is dissolved and
@@ -146,6 +149,7 @@ class VllmEngine(PagedEngine):
         # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
         self.async_finish = p.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
+        self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, remote KV on its way
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -522,6 +526,10 @@ class VllmEngine(PagedEngine):
         while budget > 0 and self.num_waiting() and len(self.running) < self.max_num_seqs:
             req = self._peek_waiting()
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
+            if req.remote_kv_tokens:
+                if not self._reserve_remote(req, hit, out):
+                    break
+                continue
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             n = self._cap(num_new, budget, self._alone())
             # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission (a check:
@@ -536,3 +544,31 @@ class VllmEngine(PagedEngine):
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+
+    # ---- P/D disaggregation, decode side (vLLM's KV connector, e.g. NixlConnector) ------------------------------
+    def _reserve_remote(self, req: Request, hit: PrefixHit, out: SchedulerOutput) -> bool:
+        """A request whose prompt was computed on a prefill replica: blocks for the whole prompt now (the local prefix
+        hit and the rest), no tokens this step; the rest loads asynchronously (WAITING_FOR_REMOTE_KVS) and its blocks
+        reach the prefix cache when it has arrived (vllm/v1/core/sched/scheduler.py schedule(): load_kv_async,
+        allocate_slots(delay_cache_blocks=True); the connector's get_num_new_matched_tokens counts the prompt past the
+        local hit). False, changing nothing, when the blocks are not free (head-of-line blocking, as any admission)."""
+        if not self.kv.allocate_slots(req, 0, hit, reserve_tokens=req.num_tokens):
+            return False
+        self._pop_waiting()
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit.num_tokens
+        req.remote_kv_tokens = req.num_tokens - hit.num_tokens
+        self.loading[req.request_id] = req
+        out.kv_reserved.append(req)
+        return True
+
+    def remote_kv_arrived(self, req: Request) -> None:
+        """Its KV is in its blocks: every prompt token but the last counts as computed, the last is recomputed for
+        the first token's logits, and the request waits at the head of the queue (scheduler.py
+        _update_waiting_for_remote_kv: num_computed_tokens -= 1 when the whole prompt arrived, cache_blocks)."""
+        del self.loading[req.request_id]
+        req.remote_kv_tokens = 0
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.publish_through(req, req.num_computed_tokens)
+        self._push_waiting(req, front=True)

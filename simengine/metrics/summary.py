@@ -241,10 +241,12 @@ def _class_summary(t: _Totals, stats: dict, c, duration: float) -> dict:
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
 
 
-def replica_sections(rec: Recorder, prefix_tokens: list[tuple[int, int]]) -> list[dict]:
-    """Per replica (a deployment of several): the requests the router placed there that finished on it (completed
-    or failed), its completed ones, its prefix-cache hit rate (`prefix_tokens`: its engine's (queried, hit) prompt
-    tokens) and its mean KV usage over its steps."""
+def replica_sections(rec: Recorder, prefix_tokens: list[tuple[int, int]], decisions: list[int],
+                     pools: list[str]) -> list[dict]:
+    """Per replica (a deployment of several): its pool, the requests its router sent it (`decisions`), those that
+    finished on it (completed or failed; with prefill/decode pools, on the decode side), its completed ones, its
+    prefix-cache hit rate (`prefix_tokens`: its engine's (queried, hit) prompt tokens) and its mean KV usage over
+    its steps."""
     n = len(prefix_tokens)
     placed, completed = np.zeros(n, np.int64), np.zeros(n, np.int64)
     done = rec.code("completed")
@@ -257,7 +259,8 @@ def replica_sections(rec: Recorder, prefix_tokens: list[tuple[int, int]]) -> lis
         r = rows["replica"].astype(np.int64)
         kv_sum += np.bincount(r, weights=rows["kv_usage"], minlength=n)[:n]
         steps += np.bincount(r, minlength=n)[:n]
-    return [{"replica": i, "requests": int(placed[i]), "completed": int(completed[i]),
+    return [{"replica": i, "pool": pools[i], "router_decisions": decisions[i], "requests": int(placed[i]),
+             "completed": int(completed[i]),
              "prefix_cache_hit_rate": round(hit / queried, 6) if queried else 0.0,
              "mean_kv_usage": round(float(kv_sum[i] / steps[i]), 6) if steps[i] else 0.0}
             for i, (queried, hit) in enumerate(prefix_tokens)]

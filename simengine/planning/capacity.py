@@ -197,7 +197,7 @@ def search(scenario: Scenario, entry: EngineEntry, limits: list[StatLimit], *, a
     """The capacity of one engine (see the module's docstring)."""
     from simengine.api import run_engine
     from simengine.metrics.summary import slo_attainment
-    from simengine.sim.runner import build_deployment
+    from simengine.sim.build import plan_pools
 
     rated(scenario)
     requests_per_run(scenario)
@@ -210,14 +210,14 @@ def search(scenario: Scenario, entry: EngineEntry, limits: list[StatLimit], *, a
         raise InputError(f"must be a relative bracket between 0.001 and 0.5, got {tolerance:g}", field="--tolerance")
     if not 1 <= repeats <= 100:
         raise InputError(f"must be between 1 and 100 runs per rate, got {repeats}", field="--repeats")
-    dep = build_deployment(scenario)
-    replicas = scenario.deployment.replicas
-    cap = Capacity(entry.display, 0.0, 0.0, replicas, dep.num_devices, requests_per_run=requests_per_run(scenario))
+    pools = plan_pools(scenario, entry)
+    replicas, devices = sum(p.count for p in pools), sum(p.num_devices for p in pools)
+    cap = Capacity(entry.display, 0.0, 0.0, replicas, devices // replicas, requests_per_run=requests_per_run(scenario))
 
     def run(sc: Scenario) -> tuple[dict, float | None]:
         r = run_engine(sc, entry)
         cap.runs += 1
-        summary = {**r.summary, "_devices": dep.num_devices * replicas}
+        summary = {**r.summary, "_devices": devices}
         return summary, slo_attainment(r.recorder, sc.slo)
 
     def probe(rate: float) -> Point:

@@ -99,7 +99,7 @@ def recommend(scenario: Scenario, limits: list[StatLimit], *, priority: str = "b
               progress=None) -> list[Ranked]:
     """Every candidate engine ranked by `priority` (see the module's docstring)."""
     from simengine.api import run_engine
-    from simengine.sim.runner import build_deployment, build_engine
+    from simengine.sim.build import build_deployment, plan_pools
 
     if priority not in PRIORITIES:
         raise InputError(f"'{priority}' is not a priority; use one of {', '.join(PRIORITIES)}", field="--priority")
@@ -107,7 +107,7 @@ def recommend(scenario: Scenario, limits: list[StatLimit], *, priority: str = "b
     ranked = []
     for entry in engines or candidates(scenario, dep):
         try:
-            build_engine(entry, dep)
+            plan_pools(scenario, entry)
         except InputError as exc:
             if progress:
                 progress(entry.display, f"left out: {exc}")

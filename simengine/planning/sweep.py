@@ -102,14 +102,14 @@ def run_point(scenario: str, base_sets: list[str], point: dict) -> dict:
     """Simulate one point; a row of the table (status ok or failed, with the reason)."""
     from simengine.api import run_engine
     from simengine.config.scenario import load_scenario
-    from simengine.sim.runner import build_deployment
+    from simengine.sim.build import plan_pools
 
     t0 = time.perf_counter()
     row = {"point": point_id(point), **{name: label(v) for name, v in point.items()}}
     try:
         sc = load_scenario(scenario, base_sets + overrides(point))
         summary = run_engine(sc, sc.engines[0]).summary
-        devices = build_deployment(sc).num_devices * sc.deployment.replicas
+        devices = sum(p.num_devices for p in plan_pools(sc, sc.engines[0]))
     except InputError as exc:
         return {**row, "status": "failed", "reason": str(exc), "wall_s": round(time.perf_counter() - t0, 3)}
     row.update({"status": "ok", "reason": "", "devices": devices, **{k: summary.get(k) for k in SUMMARY_KEYS}})

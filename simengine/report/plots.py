@@ -89,6 +89,52 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
     return save_figure(fig, path, dpi=110)
 
 
+def busy_fraction(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Fraction of each interval between consecutive `edges` that a link was busy, from its busy intervals (sorted,
+    never overlapping: a link carries one transfer at a time)."""
+    cum = np.concatenate(([0.0], np.cumsum(ends - starts)))
+
+    def busy_until(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(ends, t, side="right")          # intervals over by t
+        inside = np.minimum(k, len(starts) - 1)
+        partial = np.where((k < len(starts)) & (starts[inside] < t), t - starts[inside], 0.0) if len(starts) else 0.0
+        return cum[k] + partial
+
+    return np.diff(busy_until(edges)) / np.diff(edges)
+
+
+def cluster_timeline(steps: pd.DataFrame, pools: list[str], links: dict[str, tuple[np.ndarray, np.ndarray]],
+                     end_s: float, title: str, path: Path) -> Path:
+    """Per replica (`pools`: each one's pool) the KV usage and queued requests over time, and with prefilling and
+    decoding pools each KV link's busy fraction (`links`: label -> its busy intervals' starts and ends)."""
+    rows = 3 if links else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 2.6 * rows + 1), sharex=True, layout="constrained")
+    colors = plt.get_cmap("tab10")
+    for i in sorted(steps["replica"].unique()) if len(steps) else []:
+        s = steps[steps["replica"] == i].sort_values("end_s")
+        label = f"{i} {pools[int(i)]}"
+        style = {"color": colors(int(i) % 10), "lw": 0.9, "label": label, "drawstyle": "steps-post"}
+        axes[0].plot(s["end_s"], s["kv_usage"] * 100, **style)
+        axes[1].plot(s["end_s"], s["num_waiting"], **style)
+    axes[0].set_ylabel("KV usage (%)")
+    axes[0].set_ylim(0, 105)
+    axes[1].set_ylabel("waiting requests")
+    if links:
+        edges = np.linspace(0.0, max(end_s, 1e-9), 201)
+        for k, (label, (starts, ends)) in enumerate(links.items()):
+            axes[2].plot((edges[:-1] + edges[1:]) / 2, busy_fraction(starts, ends, edges) * 100,
+                         color=colors(k % 10), lw=0.9, label=label)
+        axes[2].set_ylabel("KV link busy (%)")
+        axes[2].set_ylim(0, 105)
+        axes[2].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=7, title="replica")
+    axes[-1].set_xlabel("simulated time (s)")
+    fig.suptitle(title)
+    return save_figure(fig, path, dpi=110)
+
+
 def _cdf(ax, values: np.ndarray, total: int, label: str, color) -> None:
     """The share of all `total` requests at or below each value: requests without one (failed, unfinished) keep
     the curve below 1.0 by their share."""

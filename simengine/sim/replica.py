@@ -26,6 +26,11 @@ class Replica:
         self.gpu = simpy.Resource(env, capacity=1)
         self.check = check_invariants
         self._wake: simpy.Event | None = None
+        self.schedules = 0          # schedule calls so far
+        # prefill/decode disaggregation (the runner sets them on pools that need them): called with the requests a
+        # decode engine reserved blocks for, and with each step's output on a layerwise prefill replica
+        self.on_kv_reserved: Callable[[list[Request], int], None] | None = None
+        self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -33,8 +38,20 @@ class Replica:
         if not self.engine.add_request(req, self.env.now):
             self.on_done(req, self.index)
             return
+        self.wake()
+
+    def wake(self) -> None:
+        """Something changed outside the engine loop (an arrival, remote KV in place): schedule again if parked."""
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def scheduled(self, out: SchedulerOutput) -> None:
+        """Bookkeeping after each schedule call: the count, and the disaggregation hooks."""
+        self.schedules += 1
+        if out.kv_reserved:
+            self.on_kv_reserved(out.kv_reserved, self.index)
+        if self.on_scheduled is not None and out.scheduled:
+            self.on_scheduled(out)
 
     def stop(self) -> None:
         """The replica failed: its processes end where they are (a step in flight is lost with the engine)."""
@@ -66,6 +83,7 @@ class Replica:
         env, engine, cost = self.env, self.engine, self.cost
         while engine.has_work():
             out = engine.schedule(env.now)
+            self.scheduled(out)
             for req in out.rejected:
                 self.on_done(req, self.index)
             if not out.scheduled:
@@ -172,6 +190,9 @@ class PipelinedReplica(Replica):
             return
         self._notify()
 
+    def wake(self) -> None:
+        self._notify()
+
     def run(self):
         self.lanes = [self.env.process(self._lane()) for _ in range(self.stages)]
         yield self.env.timeout(0)
@@ -191,6 +212,8 @@ class PipelinedReplica(Replica):
         env, engine = self.env, self.engine
         while True:
             out = engine.schedule(env.now) if engine.has_work() else None
+            if out is not None:
+                self.scheduled(out)
             for req in out.rejected if out else ():
                 self.on_done(req, self.index)
             if out is None or out.is_empty:  # everything runnable is in flight (or nothing waits): wait

@@ -1,4 +1,5 @@
-"""Build a deployment and run one engine on a scenario's request stream in a SimPy environment."""
+"""Run one engine entry's cluster (pools of replicas behind routers, KV links between prefill and decode pools) on a
+scenario's request stream in a SimPy environment."""
 
 from __future__ import annotations
 
@@ -9,22 +10,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from simengine.config.dtypes import kv_bytes, weight_format
-from simengine.config.hardware import load_hardware
 from simengine.config.loader import from_dict
-from simengine.config.model import load_model
-from simengine.config.scenario import EngineEntry, Scenario
+from simengine.config.scenario import DeploymentConfig, EngineEntry, Scenario
 from simengine.core.request import Request, Status
-from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
-from simengine.cost.measured import MeasuredKernels, systems
-from simengine.cost.roofline import DeviceTerms, RooflineKernels
-from simengine.cost.step import CostModel
-from simengine.cost.work import StepWork
-from simengine.engines import ENGINES, EnginePolicy
+from simengine.engines import EnginePolicy
 from simengine.engines.memory import Deployment
-from simengine.errors import CannotRun, InputError
 from simengine.metrics.recorder import Recorder
-from simengine.routers import ROUTERS, ReplicaState
+from simengine.routers import ROUTERS, ReplicaState, Router
+from simengine.sim.build import Pool, build_engine, cost_model, plan_pools
+from simengine.sim.links import Link, kv_path, place
 from simengine.sim.replica import PipelinedReplica, Replica
 from simengine.workload.generator import RequestFactory, SessionPlan
 
@@ -34,103 +28,56 @@ REFUSAL_BACKOFF_S = 1.0
 PROGRESS_EVERY_S = 0.5   # wall-clock seconds between progress calls (a display only)
 
 
-def build_deployment(scenario: Scenario) -> Deployment:
-    """Resolve hardware, model and dtypes of a scenario (InputError on unknown names or impossible combos)."""
-    d = scenario.deployment
-    hw = load_hardware(d.hardware)
-    model = load_model(d.model)
-    fmt = weight_format(d.weight_dtype)
-    kv_name = d.kv_dtype if d.kv_dtype != "auto" else ("bf16" if fmt.bytes_per_param <= 2 else fmt.name)
-    if d.tp > 1 and model.num_heads % d.tp:
-        raise InputError(f"tp={d.tp} does not divide {model.name}'s {model.num_heads} attention heads",
-                         field="deployment.tp")
-    if d.pp > model.num_layers:
-        raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field="deployment.pp")
-    if d.tp * d.pp > 1 and hw.link_bandwidth_bytes_s <= 0:
-        raise InputError(f"{hw.name} has no device-to-device link (interconnect: none), so tp x pp must be 1; "
-                         f"use one device per replica and more replicas", field="deployment.tp")
-    if d.tp * d.pp > hw.node_size:
-        raise InputError(f"tp x pp = {d.tp * d.pp} exceeds {hw.name}'s node of {hw.node_size} devices linked by "
-                         f"{hw.link_bandwidth_bytes_s / 1e9:.0f} GB/s; use at most {hw.node_size} per replica",
-                         field="deployment.tp")
-    if d.expert_parallel and not model.is_moe:
-        raise InputError(f"expert_parallel needs a mixture-of-experts model; {model.name} is dense",
-                         field="deployment.expert_parallel")
-    return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name,
-                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp, expert_parallel=d.expert_parallel)
-
-
-def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
-    """Instantiate an engine policy with validated params; refuse hardware it does not run on."""
-    cls = ENGINES.get(entry.engine, field="engines")
-    params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
-    hw = dep.hardware
-    if dep.expert_parallel and not cls.supports_expert_parallel:
-        ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
-        raise CannotRun(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
-                         field="deployment.expert_parallel")
-    if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
-        ok = [n for n in ENGINES.names()
-              if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
-        raise CannotRun(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
-                         f"that do: {', '.join(ok) or 'none'}", field="engines")
-    return cls(params, dep)
-
-
-def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: str = "auto") -> CostModel:
-    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy):
-    measured kernels of the engine's backend where the device has tables and `kernels` is auto, else the roofline
-    at the device's physical terms; the engine's timing with its calibrated terms from
-    simengine/engines/calibration.yaml (`simengine calibrate`, docs/validation.md) in place of its priors."""
-    engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
-    d = engine.dep
-    work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
-                    pp=d.pp, expert_parallel=d.expert_parallel, engine_gemm_flops_s=engine.engine_gemm_flops_s())
-    hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
-    terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
-    system, backend = d.hardware.kernel_tables, engine.kernel_backend
-    if kernels == "auto" and system and backend and system in systems():
-        gpu = MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
-    else:
-        gpu = RooflineKernels(work, terms)
-    return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s)
-
-
 @dataclass
 class RunResult:
     """Everything one engine run produced (frames are built later from the recorder's rows)."""
 
     scenario: Scenario
     entry: EngineEntry
-    deployment: Deployment
+    deployment: Deployment      # the first pool's
     recorder: Recorder
     end_s: float
     engines: list[EnginePolicy] = field(default_factory=list)
     partial: bool = False       # stopped at a wall-clock deadline before the run's end
     faults: dict | None = None  # with deployment.failures: failures, retries, requests failed by them, availability
     down: list[tuple[int, float, float]] = field(default_factory=list)  # (replica, down at, back up at) per failure
+    pools: list[Pool] = field(default_factory=list)
+    decisions: list[int] = field(default_factory=list)   # requests each replica's router sent it
+    disaggregation: dict | None = None                    # KV transfers and links (prefill/decode pools)
 
     @property
     def label(self) -> str:
         return self.entry.display
 
 
+class Tier:
+    """Replicas behind one router: the first hop (mixed or prefill pools) or the decode pools. The router numbers
+    them from 0 (`first` is the first one's run-wide index)."""
+
+    def __init__(self, indices: range, config: DeploymentConfig, where: str, seed: int, salt: int):
+        self.indices, self.first = indices, indices.start
+        router = ROUTERS.get(config.router, field=f"{where}.router")
+        params = from_dict(router.Params, config.router_params, source="scenario", field=f"{where}.router_params")
+        self.router: Router = router(params, len(indices), np.random.default_rng([seed, salt]))
+
+
 class Runner:
-    """Wires arrivals, sessions, a router and replicas into one SimPy environment."""
+    """Wires arrivals, sessions, routers, replicas and KV links into one SimPy environment."""
 
     def __init__(self, scenario: Scenario, entry: EngineEntry, *, check_invariants: bool = False):
         self.scenario, self.entry = scenario, entry
-        self.dep = build_deployment(scenario)
+        self.pools = plan_pools(scenario, entry)
+        self.pool_of = [p for p in self.pools for _ in p.indices]   # replica index -> its pool
+        self.dep = self.pools[0].dep
         self.env = simpy.Environment()
         self.recorder = Recorder()
         wl = scenario.workload
-        self.factory = RequestFactory(wl, scenario.seed, self.dep.model.vocab_size, self.dep.model.max_model_len)
+        self.factory = RequestFactory(wl, scenario.seed, self.dep.model.vocab_size,
+                                      min(p.dep.model.max_model_len for p in self.pools))
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
-        self.engines = [build_engine(entry, self.dep) for _ in range(scenario.deployment.replicas)]
-        self.replicas = [
-            self._replica(i, eng, cost_model(eng, wl.structured_output.mask_s,
-                                             kernels=scenario.deployment.cost_model), check_invariants)
-            for i, eng in enumerate(self.engines)]
+        self.check_invariants = check_invariants
+        self.engines = [build_engine(p.entry, p.dep) for p in self.pools for _ in p.indices]
+        self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
         # of the first token's way back: every request reaches the engine this much after it was sent
         self.frontend_s = self.engines[0].timing.frontend_s
@@ -139,27 +86,38 @@ class Runner:
         self.waiters: dict[int, simpy.Event] = {}
         self.sources_open = 0
         self.all_done = self.env.event()
-        d = scenario.deployment
-        router = ROUTERS.get(d.router, field="deployment.router")
-        self.router = router(from_dict(router.Params, d.router_params, source="scenario",
-                                       field="deployment.router_params"),
-                             d.replicas, np.random.default_rng([scenario.seed, 104729]))
+        front = [p for p in self.pools if p.role != "decode"]
+        self.front = Tier(range(front[0].first, front[-1].first + front[-1].count), front[0].config,
+                          front[0].where, scenario.seed, 104729)
+        back = [p for p in self.pools if p.role == "decode"]
+        self.back = Tier(range(back[0].first, back[-1].first + back[-1].count), back[0].config, back[0].where,
+                         scenario.seed, 130363) if back else None
+        self.decisions = [0] * len(self.replicas)
         self.reported: list[ReplicaState] | None = None   # load reports (deployment.router_state_delay_s > 0)
         # replica failures (deployment.failures): which replica holds each live request, who is up, the requests
         # waiting for any replica to come back, and the log
-        self.check_invariants = check_invariants
         self.assigned: dict[int, int] = {}
         self.up = [True] * len(self.replicas)
         self.pending: list[Request] = []
         self.retries: dict[int, int] = {}
         self.down: list[list] = []      # [replica, down at, back up at or -1 while down]
         self.failed_by_fault = 0
+        self.prefilling: dict[int, Request] = {}   # request id -> its copy on a prefill replica
+        if self.back is not None:
+            self._init_disaggregation()
 
-    def _replica(self, i: int, eng: EnginePolicy, cost, check: bool) -> Replica:
-        if self.dep.pp > 1 and eng.supports_pipeline_microbatches:
-            return PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done, check_invariants=check,
-                                    stages=self.dep.pp)
-        return Replica(self.env, i, eng, cost, self.recorder, self._on_done, check_invariants=check)
+    def _replica(self, i: int, eng: EnginePolicy) -> Replica:
+        pool, wl = self.pool_of[i], self.scenario.workload
+        cost = cost_model(eng, wl.structured_output.mask_s, kernels=self.scenario.deployment.cost_model)
+        if pool.dep.pp > 1 and eng.supports_pipeline_microbatches:
+            replica = PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done,
+                                       check_invariants=self.check_invariants, stages=pool.dep.pp)
+        else:
+            replica = Replica(self.env, i, eng, cost, self.recorder, self._on_done,
+                              check_invariants=self.check_invariants)
+        if pool.role == "decode":
+            replica.on_kv_reserved = self._kv_reserved
+        return replica
 
     # ---- routing and completion ---------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -168,7 +126,7 @@ class Runner:
             req.token_times = array("d")
         self.live[req.request_id] = req
         wait = req.arrival_s + self.frontend_s - self.env.now   # an open loop already waited for it
-        if len(self.replicas) > 1:
+        if len(self.front.indices) > 1:
             wait += self.scenario.deployment.router_decision_s
         if req.structured and self.compile_s:
             # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
@@ -183,30 +141,159 @@ class Runner:
         yield self.env.timeout(delay_s)
         self._route(req)
 
+    def _choose(self, tier: Tier, req: Request) -> Replica | None:
+        """The replica of `tier` the router picks among those up (None when all are down)."""
+        ids = tier.indices
+        up = ids if all(self.up[i] for i in ids) else [i for i in ids if self.up[i]]
+        if not up:
+            return None
+        if len(ids) == 1:
+            i = up[0]
+        else:
+            states = [self._state(i, tier.first) for i in up]
+            i = tier.first + tier.router.choose(req, states)
+        self.decisions[i] += 1
+        return self.replicas[i]
+
     def _route(self, req: Request) -> None:
-        up = self.replicas if all(self.up) else [r for r in self.replicas if self.up[r.index]]
-        if not up:                  # every replica is down: the request waits for the first one back
+        replica = self._choose(self.front, req)
+        if replica is None:                  # every replica is down: the request waits for the first one back
             self.pending.append(req)
             return
-        if len(self.replicas) == 1:
-            replica = up[0]
-        elif self.reported is not None:   # the last load report of each replica that is up
-            replica = self.replicas[self.router.choose(req, [self.reported[r.index] for r in up])]
-        else:
-            replica = self.replicas[self.router.choose(req, [self._state(r) for r in up])]
         self.assigned[req.request_id] = replica.index
+        if self.back is not None:
+            self.prefill_at[req.request_id] = replica.index
+            replica.submit(self._prefill_copy(req, self.pool_of[replica.index].config.kv_transfer))
+            return
         replica.submit(req)
 
-    @staticmethod
-    def _state(r: Replica) -> ReplicaState:
-        e = r.engine
-        return ReplicaState(r.index, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens())
+    def _state(self, i: int, first: int) -> ReplicaState:
+        """Replica i's state as its router sees it (the last load report, or now), numbered from `first`."""
+        s = self.reported[i] if self.reported is not None else self._live_state(i)
+        return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens)
+
+    def _live_state(self, i: int) -> ReplicaState:
+        e = self.replicas[i].engine
+        return ReplicaState(i, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens())
 
     def _load_reports(self, every_s: float):
         """Every replica reports its state every `every_s` seconds; the router sees only the latest reports."""
         while True:
-            self.reported = [self._state(r) for r in self.replicas]
+            self.reported = [self._live_state(i) for i in range(len(self.replicas))]
             yield self.env.timeout(every_s)
+
+    def _tier_of(self, i: int) -> Tier:
+        return self.back if self.back is not None and i in self.back.indices else self.front
+
+    # ---- prefill/decode disaggregation ---------------------------------------------------------------------
+    def _init_disaggregation(self) -> None:
+        self.placement = place(self.pools)
+        self.egress = [Link(self.env) for _ in self.replicas]    # a replica's devices sending KV
+        self.ingress = [Link(self.env) for _ in self.replicas]   # and receiving it
+        self.kv_bytes_per_token = {p.name: p.dep.model.kv_bytes_per_token(p.dep.kv_elem_bytes) for p in self.pools}
+        self.prefill_at: dict[int, int] = {}             # request id -> its prefill replica
+        self.prefill_end_s: dict[int, float] = {}        # request id -> when its prefill finished
+        self.prefill_done: dict[int, simpy.Event] = {}   # layerwise: the copy's prefill finished
+        self.decode_sent: dict[int, tuple[float, int]] = {}  # request id -> (sent to decode at, replica schedules)
+        self.transfers: list[tuple] = []   # (request id, prefill replica, decode replica, bytes, queued_s, link_s,
+                                           #  held_s: prefill done -> KV arrived, admission_wait_s, waited for room)
+        for i in self.front.indices:
+            if self.pool_of[i].config.kv_transfer == "layerwise":
+                self.replicas[i].on_scheduled = self._prefill_started
+
+    def _prefill_copy(self, req: Request, kv_transfer: str) -> Request:
+        """What the prefill replica serves: the prompt and one output token (vLLM's proxy sends max_tokens=1, SGLang's
+        and TRT-LLM's prefill servers stop after the first token), its KV kept when it finishes."""
+        copy = resend(req)
+        copy.output_len = copy.max_tokens = 1
+        copy.hold_kv = True
+        self.prefilling[req.request_id] = copy
+        if kv_transfer == "layerwise":
+            self.prefill_done[req.request_id] = self.env.event()
+        return copy
+
+    def _prefill_started(self, out) -> None:
+        """Layerwise: a prefill's first chunk is running, so its decode replica is chosen and reserves blocks now, and
+        the KV streams to it as the layers compute."""
+        for req, _ in out.scheduled:
+            if req.hold_kv and req.first_scheduled_s == self.env.now and \
+                    req.request_id not in self.decode_sent:
+                self._to_decode(self.live[req.request_id], req)
+
+    def _prefilled(self, copy: Request, replica: int) -> None:
+        """The prefill replica finished (or refused) the copy: the request goes on to a decode replica, whose
+        reservation starts the transfer (in layerwise mode it went there when the prefill started)."""
+        rid = copy.request_id
+        self.front.router.finished(copy, replica - self.front.first)
+        req = self.live[rid]
+        if copy.status is Status.FAILED:
+            del self.prefilling[rid]
+            del self.prefill_at[rid]
+            self.prefill_done.pop(rid, None)
+            req.status, req.fail_reason, req.finish_s = Status.FAILED, copy.fail_reason, self.env.now
+            self.assigned.pop(rid, None)
+            self._on_done(req, replica)
+            return
+        self.prefill_end_s[rid] = self.env.now
+        event = self.prefill_done.get(rid)
+        if event is not None:
+            event.succeed()
+        if rid not in self.decode_sent:
+            self._to_decode(req, copy)
+
+    def _to_decode(self, req: Request, copy: Request) -> None:
+        req.first_scheduled_s = copy.first_scheduled_s   # its queue time is the prefill side's
+        req.num_cached_tokens = copy.num_cached_tokens
+        req.remote_kv_tokens = req.prompt_len
+        replica = self._choose(self.back, req)
+        self.assigned[req.request_id] = replica.index
+        self.decode_sent[req.request_id] = (self.env.now, replica.schedules)
+        replica.submit(req)
+
+    def _kv_reserved(self, reqs: list[Request], replica: int) -> None:
+        for req in reqs:
+            self.env.process(self._transfer(req, replica))
+
+    def _transfer(self, req: Request, dst: int):
+        """Move the KV the decode replica reserved blocks for: queue on the prefill replica's send side and the decode
+        replica's receive side and hold both for bytes / rate (layerwise: while the prefill computes, its last layer
+        sent when it ends), then the latency; the prefill replica frees its copy and the decode replica may schedule
+        the request."""
+        env, rid = self.env, req.request_id
+        copy = self.prefilling[rid]
+        src = self.prefill_at[rid]
+        src_pool, dst_pool = self.pool_of[src], self.pool_of[dst]
+        path = kv_path(src_pool, dst_pool, self.placement[src], self.placement[dst])
+        num_bytes = req.remote_kv_tokens * self.kv_bytes_per_token[src_pool.name]
+        sent_s, schedules = self.decode_sent[rid]
+        reserved_s = env.now
+        waited_for_room = self.replicas[dst].schedules > schedules + 1   # not reserved at its first chance
+        out, into = self.egress[src], self.ingress[dst]
+        with out.resource.request() as a:
+            yield a
+            with into.resource.request() as b:
+                yield b
+                start = env.now
+                yield env.timeout(num_bytes / path.bandwidth_bytes_s)
+                out.used(start, env.now, num_bytes)
+                into.used(start, env.now, num_bytes)
+        done = self.prefill_done.get(rid)
+        if done is not None:   # layerwise: the bytes went as the layers were computed; the last layer goes at the end
+            if not done.triggered:
+                yield done
+            last = self.prefill_end_s[rid] + num_bytes / self.dep.model.num_layers / path.bandwidth_bytes_s
+            if last > env.now:
+                yield env.timeout(last - env.now)
+        yield env.timeout(path.latency_s)
+        self.replicas[src].engine.free_held(copy)
+        del self.prefilling[rid], self.prefill_at[rid]
+        self.decode_sent.pop(rid)
+        self.prefill_done.pop(rid, None)
+        end_prefill = self.prefill_end_s.pop(rid)
+        self.transfers.append((rid, src, dst, num_bytes, start - reserved_s, env.now - start, env.now - end_prefill,
+                               reserved_s - sent_s, waited_for_room))
+        self.replicas[dst].engine.remote_kv_arrived(req)
+        self.replicas[dst].wake()
 
     # ---- failures -------------------------------------------------------------------------------------------
     def _stated_failure(self, i: int, at_s: float, down_s: float):
@@ -230,21 +317,20 @@ class Runner:
         old = self.replicas[i]
         old.stop()
         old.engine.sync()       # lazily advanced counters (vLLM's decode cohort) as of the last completed step
-        engine = build_engine(self.entry, self.dep)   # what comes back: the failed engine and its cache are gone
+        pool = self.pool_of[i]
+        engine = build_engine(pool.entry, pool.dep)   # what comes back: the failed engine and its cache are gone
         self.engines[i] = engine
         held = sorted(rid for rid, r in self.assigned.items() if r == i)
+        router = self._tier_of(i).router
         for rid in held:
             del self.assigned[rid]
             if rid in self.live:
-                self.router.finished(self.live[rid], i)
+                router.finished(self.live[rid], i - self._tier_of(i).first)
         for rid in held:
             if rid in self.live:
                 self._lost(self.live[rid], i)
         yield self.env.timeout(down_s)
-        wl = self.scenario.workload
-        self.replicas[i] = self._replica(i, engine, cost_model(engine, wl.structured_output.mask_s,
-                                                               kernels=self.scenario.deployment.cost_model),
-                                         self.check_invariants)
+        self.replicas[i] = self._replica(i, engine)
         self.up[i] = True
         log[2] = self.env.now
         pending, self.pending = self.pending, []
@@ -296,10 +382,22 @@ class Runner:
                 "availability": 1.0 - down_s / (len(self.replicas) * end_s) if end_s > 0 else 1.0}
 
     def _on_done(self, req: Request, replica: int) -> None:
+        if self.prefilling:
+            copy = self.prefilling.get(req.request_id)
+            if copy is req:
+                self._prefilled(req, replica)
+                return
+            if copy is not None:   # the decode side refused it: the prefill replica lets its KV go
+                self.replicas[self.prefill_at.pop(req.request_id)].engine.free_held(copy)
+                del self.prefilling[req.request_id]
+                self.decode_sent.pop(req.request_id, None)
+                self.prefill_done.pop(req.request_id, None)
+                self.prefill_end_s.pop(req.request_id, None)
         self.live.pop(req.request_id, None)
         placed = self.assigned.pop(req.request_id, None)
         if placed is not None:
-            self.router.finished(req, placed)
+            tier = self._tier_of(placed)
+            tier.router.finished(req, placed - tier.first)
         if req.status is Status.FAILED and req.finish_s < 0:
             req.finish_s = self.env.now  # when the engine refused it: requests.csv's finish_s of a failed row
         self.recorder.finished(req, replica)
@@ -433,7 +531,44 @@ class Runner:
         for req in sorted(self.live.values(), key=lambda r: r.request_id):
             self.recorder.request(req, -1, "unfinished")
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
-                         self.fault_summary(self.env.now), self.down_intervals(self.env.now))
+                         self.fault_summary(self.env.now), self.down_intervals(self.env.now), self.pools,
+                         self.decisions, self.disaggregation_summary(self.env.now))
+
+    def link_spans(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Busy intervals (starts, ends) of each prefill replica's send side and decode replica's receive side."""
+        if self.back is None:
+            return {}
+        out = {}
+        for i, pool in enumerate(self.pool_of):
+            link = self.egress[i] if pool.role == "prefill" else self.ingress[i]
+            spans = np.frombuffer(link.spans, dtype=np.float64).reshape(-1, 2)
+            out[f"{i} {pool.name} {'send' if pool.role == 'prefill' else 'receive'}"] = (spans[:, 0], spans[:, 1])
+        return out
+
+    def disaggregation_summary(self, end_s: float) -> dict | None:
+        """KV transfers (their queueing on the links, time on the link, how long the prefill replica held each
+        request's KV, the decode side's admission wait and how many found no room) and each link's busy fraction."""
+        if self.back is None:
+            return None
+        t = np.array([x[3:] for x in self.transfers], dtype=float).reshape(-1, 6)
+
+        def ms(col: int) -> dict:
+            v = t[:, col] * 1e3
+            if not len(v):
+                return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+            return {"mean": round(float(v.mean()), 4), "p50": round(float(np.percentile(v, 50)), 4),
+                    "p99": round(float(np.percentile(v, 99)), 4), "max": round(float(v.max()), 4)}
+
+        links = []
+        for i in range(len(self.replicas)):
+            side, link = ("send", self.egress[i]) if self.pool_of[i].role == "prefill" else ("receive", self.ingress[i])
+            links.append({"replica": i, "pool": self.pool_of[i].name, "side": side, "transfers": link.transfers,
+                          "gb": round(link.bytes / 1e9, 6),
+                          "busy_fraction": round(link.busy_s / end_s, 6) if end_s > 0 else 0.0})
+        modes = sorted({p.config.kv_transfer for p in self.pools if p.role == "prefill"})
+        return {"kv_transfer": "+".join(modes), "transfers": len(t), "kv_gb": round(float(t[:, 0].sum()) / 1e9, 6),
+                "queue_ms": ms(1), "link_ms": ms(2), "kv_held_on_prefill_ms": ms(3), "decode_admission_wait_ms": ms(4),
+                "waits_for_room": int(t[:, 5].sum()), "links": links}
 
 
 def resend(req: Request) -> Request:

@@ -257,7 +257,7 @@ def fit_frontend(res: FitResult, rows: list, jobs: int = 2) -> None:
     delay shifts by exactly its size while an open-loop schedule stays the same: the median of measured
     minus simulated (the rows re-simulated with the fitted terms and no frontend), at least 0. Only rows of current
     engine versions count. Adds the terms to `res` (in place)."""
-    from simengine.sim.runner import build_deployment, build_engine
+    from simengine.sim.build import build_deployment, build_engine
     from simengine.validate.bench_tools import version_params
     from simengine.validate.experiments import Experiment, engine_name, plan_row
 

@@ -17,7 +17,8 @@ from simengine.core.request import Request
 from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.errors import InputError
-from simengine.sim.runner import Runner, build_deployment, build_engine, cost_model
+from simengine.sim.build import build_deployment, build_engine, cost_model
+from simengine.sim.runner import Runner
 from simengine.validate.experiments import (
     LLAMA_BENCH_UBATCH,
     Experiment,

@@ -183,7 +183,7 @@ def test_claim9_awq_4bit_70b_fits_one_a100_80gb_under_tgi():
     """003: AWQ/GPTQ compress a 70B model onto one A100 80GB under TGI. 4-bit weights with group-128 scales take
     about 36 GiB, which leaves TGI a KV pool of over 100k tokens; FP16 weights (131 GiB) do not fit at all."""
     from simengine.errors import InputError
-    from simengine.sim.runner import build_deployment, build_engine
+    from simengine.sim.build import build_deployment, build_engine
 
     def engine(weight_dtype):
         sc = make_scenario(deployment={"hardware": "a100_80g_sxm", "model": "llama-3-70b",

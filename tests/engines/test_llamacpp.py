@@ -10,7 +10,7 @@ from simengine.core.batch import BatchShape
 from simengine.core.request import Status
 from simengine.engines.llamacpp import MMQ_FLOPS_PER_SM_CYCLE, LlamaCppEngine, LlamaCppParams
 from simengine.errors import InputError
-from simengine.sim.runner import build_engine, cost_model
+from simengine.sim.build import build_engine, cost_model
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import run_step
 

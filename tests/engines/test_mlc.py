@@ -8,7 +8,7 @@ from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.request import Status
 from simengine.engines.mlc import MlcEngine, MlcParams, mlc_engine_config, mlc_memory_tokens
 from simengine.errors import InputError
-from simengine.sim.runner import build_engine
+from simengine.sim.build import build_engine
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import run_step
 

@@ -6,7 +6,7 @@ import pytest
 
 from simengine.config.scenario import EngineEntry
 from simengine.engines import ENGINES
-from simengine.sim.runner import build_engine
+from simengine.sim.build import build_engine
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import drive
 

@@ -8,7 +8,7 @@ import pytest
 from simengine.api import run_engine
 from simengine.core.batch import BatchShape
 from simengine.cost import calibrated as terms
-from simengine.sim.runner import build_deployment, build_engine, cost_model
+from simengine.sim.build import build_deployment, build_engine, cost_model
 from simengine.validate import experiments
 from simengine.validate.experiments import plan_row
 from simengine.validate.measurements import Arrival, Measurement

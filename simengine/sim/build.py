@@ -1,0 +1,171 @@
+"""The composition root: from a scenario and an engine entry to what a run deploys (pools of replicas with their
+deployment, engine and step-time model), with every check that can refuse it made before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simengine.config.dtypes import kv_bytes, weight_format
+from simengine.config.hardware import load_hardware
+from simengine.config.loader import from_dict
+from simengine.config.model import load_model
+from simengine.config.scenario import DeploymentConfig, EngineEntry, PoolConfig, Scenario
+from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
+from simengine.cost.measured import MeasuredKernels, systems
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.step import CostModel
+from simengine.cost.work import StepWork
+from simengine.engines import ENGINES, EnginePolicy
+from simengine.engines.memory import Deployment
+from simengine.errors import CannotRun, InputError
+from simengine.sim.links import kv_path, place
+
+
+def build_deployment(scenario: Scenario) -> Deployment:
+    """Resolve hardware, model and dtypes of a scenario's deployment (InputError on unknown names or impossible
+    combos)."""
+    return resolve_deployment(scenario.deployment)
+
+
+def resolve_deployment(d: DeploymentConfig, pool: PoolConfig | None = None, at: str = "") -> Deployment:
+    """Resolve one deployment: a scenario's, or a pool's (`pool`, declared at `at`, e.g. pools[1]); a message names
+    the pool's field where the pool set it, else the deployment's."""
+    def field_of(key: str) -> str:
+        return f"{at}.{key}" if pool is not None and getattr(pool, key) is not None else f"deployment.{key}"
+
+    hw = load_hardware(d.hardware, field=field_of("hardware"))
+    model = load_model(d.model, field=field_of("model"))
+    fmt = weight_format(d.weight_dtype)
+    kv_name = d.kv_dtype if d.kv_dtype != "auto" else ("bf16" if fmt.bytes_per_param <= 2 else fmt.name)
+    if d.tp > 1 and model.num_heads % d.tp:
+        raise InputError(f"tp={d.tp} does not divide {model.name}'s {model.num_heads} attention heads",
+                         field=field_of("tp"))
+    if d.pp > model.num_layers:
+        raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field=field_of("pp"))
+    if d.tp * d.pp > 1 and hw.link_bandwidth_bytes_s <= 0:
+        raise InputError(f"{hw.name} has no device-to-device link (interconnect: none), so tp x pp must be 1; "
+                         f"use one device per replica and more replicas", field=field_of("tp"))
+    if d.tp * d.pp > hw.node_size:
+        raise InputError(f"tp x pp = {d.tp * d.pp} exceeds {hw.name}'s node of {hw.node_size} devices linked by "
+                         f"{hw.link_bandwidth_bytes_s / 1e9:.0f} GB/s; use at most {hw.node_size} per replica",
+                         field=field_of("tp"))
+    if d.expert_parallel and not model.is_moe:
+        raise InputError(f"expert_parallel needs a mixture-of-experts model; {model.name} is dense",
+                         field=field_of("expert_parallel"))
+    return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name,
+                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp, expert_parallel=d.expert_parallel)
+
+
+def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
+    """Instantiate an engine policy with validated params; refuse hardware it does not run on."""
+    cls = ENGINES.get(entry.engine, field="engines")
+    params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
+    hw = dep.hardware
+    if dep.expert_parallel and not cls.supports_expert_parallel:
+        ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
+        raise CannotRun(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
+                         field="deployment.expert_parallel")
+    if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
+        ok = [n for n in ENGINES.names()
+              if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
+        raise CannotRun(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
+                         f"that do: {', '.join(ok) or 'none'}", field="engines")
+    return cls(params, dep)
+
+
+def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: str = "auto") -> CostModel:
+    """The step-time model of an engine's own deployment (its KV dtype may differ, e.g. LMDeploy quant_policy):
+    measured kernels of the engine's backend where the device has tables and `kernels` is auto, else the roofline
+    at the device's physical terms; the engine's timing with its calibrated terms from
+    simengine/engines/calibration.yaml (`simengine calibrate`, docs/validation.md) in place of its priors."""
+    engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
+    d = engine.dep
+    work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
+                    pp=d.pp, expert_parallel=d.expert_parallel, engine_gemm_flops_s=engine.engine_gemm_flops_s())
+    hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
+    terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
+    system, backend = d.hardware.kernel_tables, engine.kernel_backend
+    if kernels == "auto" and system and backend and system in systems():
+        gpu = MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
+    else:
+        gpu = RooflineKernels(work, terms)
+    return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool of a run: `count` identical replicas numbered from `first` (the run's replica indices)."""
+
+    name: str
+    role: str                   # mixed | prefill | decode
+    config: DeploymentConfig    # the scenario's deployment with the pool's own fields
+    dep: Deployment
+    entry: EngineEntry          # the engine its replicas run
+    first: int
+    count: int
+    where: str                  # where in the scenario it was declared (for messages)
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    @property
+    def num_devices(self) -> int:
+        return self.dep.num_devices * self.count
+
+
+def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
+    """The pools a run of `entry` deploys, resolved and checked: the first-hop pools (mixed, or prefill) numbered
+    first, then the decode pools. Raises InputError on a bad layout and CannotRun when an engine cannot serve a pool
+    (too little memory, unsupported hardware or role), naming the pool."""
+    configs = scenario.pools_of(entry)
+    index = next((i for i, e in enumerate(scenario.engines) if e is entry or e == entry), entry.display)
+    where = f"engines[{index}].pools" if entry.pools else "pools" if scenario.pools else "deployment"
+    roles = {c.role for c in configs}
+    if "mixed" in roles and len(roles) > 1:
+        raise InputError("pools are either all mixed, or prefill and decode pools (disaggregation); give every pool "
+                         "role: mixed, or none", field=f"{where}[].role")
+    if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
+        missing = ({"prefill", "decode"} - roles).pop()
+        raise InputError(f"a disaggregated cluster needs a {missing} pool as well", field=f"{where}[].role")
+    disaggregated = roles == {"prefill", "decode"}
+    if disaggregated and scenario.deployment.failures is not None:
+        raise InputError("replica failures are not modelled with prefill/decode pools; drop deployment.failures or "
+                         "use mixed pools", field="deployment.failures")
+    order = sorted(range(len(configs)), key=lambda i: configs[i].role == "decode")  # first hop first (stable)
+    pools, first, names = [], 0, set()
+    for i in order:
+        c: PoolConfig = configs[i]
+        at = f"{where}[{i}]" if where != "deployment" else "deployment"
+        d = c.deployment(scenario.deployment)
+        dep = resolve_deployment(d, c, at) if where != "deployment" else resolve_deployment(d)
+        e = entry if c.engine is None else EngineEntry(engine=c.engine, label=entry.label, params=c.params)
+        name = c.name or (c.role if len(configs) > 1 else "main")
+        if name in names:
+            raise InputError(f"two pools are named '{name}'; give each a distinct name", field=f"{at}.name")
+        names.add(name)
+        pools.append(Pool(name, c.role, d, dep, e, first, d.replicas, at))
+        first += d.replicas
+    models = {p.dep.model.name for p in pools}
+    if len(models) > 1:
+        raise InputError(f"every pool serves the same model (requests are tokenised once), got {sorted(models)}",
+                         field=f"{where}[].model")
+    for p in pools:
+        try:
+            eng = build_engine(p.entry, p.dep)
+        except CannotRun as exc:
+            raise CannotRun(f"pool '{p.name}': {exc.message}" if len(pools) > 1 else exc.message,
+                            field=exc.field) from None
+        if p.role != "mixed" and p.role not in eng.disaggregation_roles:
+            ok = [n for n in ENGINES.names() if p.role in ENGINES.get(n).disaggregation_roles]
+            raise CannotRun(f"pool '{p.name}': {p.entry.engine} has no {p.role} role for prefill/decode "
+                            f"disaggregation here; engines that do: {', '.join(ok)}", field=f"{p.where}.engine")
+    if disaggregated:   # every prefill -> decode path must exist (KV leaving a node needs a network)
+        at = place(pools)
+        for src in pools:
+            for dst in pools:
+                if src.role == "prefill" and dst.role == "decode":
+                    for i in src.indices:
+                        for j in dst.indices:
+                            kv_path(src, dst, at[i], at[j])
+    return pools
