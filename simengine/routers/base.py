@@ -14,20 +14,39 @@ from simengine.core.request import Request
 from simengine.registry import Registry
 
 
-@dataclass(frozen=True, slots=True)
 class ReplicaState:
-    """What a router may read of one replica that is up, at decision time."""
+    """What a router may read of one replica that is up, at decision time: a load report's figures, or (`live`) the
+    replica's engine now, whose KV figures are read only if the router asks for them."""
 
-    index: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float          # fraction of the replica's KV pool in use
-    kv_capacity_tokens: int
+    __slots__ = ("index", "num_running", "num_waiting", "_kv_usage", "_kv_capacity_tokens", "_engine")
+
+    def __init__(self, index: int, num_running: int, num_waiting: int, kv_usage: float, kv_capacity_tokens: int):
+        self.index, self.num_running, self.num_waiting = index, num_running, num_waiting
+        self._kv_usage, self._kv_capacity_tokens, self._engine = kv_usage, kv_capacity_tokens, None
+
+    @classmethod
+    def live(cls, index: int, engine) -> ReplicaState:
+        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0)
+        state._engine = engine
+        return state
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the replica's KV pool in use."""
+        return self._kv_usage if self._engine is None else self._engine.kv_usage()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._kv_capacity_tokens if self._engine is None else self._engine.kv_capacity_tokens()
 
     @property
     def load(self) -> int:
         """Requests on the replica: running and queued."""
         return self.num_running + self.num_waiting
+
+    def __repr__(self) -> str:
+        return (f"ReplicaState({self.index}, running={self.num_running}, waiting={self.num_waiting}, "
+                f"kv_usage={self.kv_usage:.3f})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import simpy
 from simengine.config.loader import from_dict
 from simengine.config.scenario import DeploymentConfig, EngineEntry, Scenario
 from simengine.core.request import Request, Status
+from simengine.cost.step import CostModel
 from simengine.engines import EnginePolicy
 from simengine.engines.memory import Deployment
 from simengine.metrics.recorder import Recorder
@@ -77,6 +78,7 @@ class Runner:
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.check_invariants = check_invariants
         self.engines = [build_engine(p.entry, p.dep) for p in self.pools for _ in p.indices]
+        self.costs: dict[str, CostModel] = {}
         self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
         # of the first token's way back: every request reaches the engine this much after it was sent
@@ -108,7 +110,12 @@ class Runner:
 
     def _replica(self, i: int, eng: EnginePolicy) -> Replica:
         pool, wl = self.pool_of[i], self.scenario.workload
-        cost = cost_model(eng, wl.structured_output.mask_s, kernels=self.scenario.deployment.cost_model)
+        cost = self.costs.get(pool.name)   # one step-time model per pool: its replicas are identical
+        if cost is None:
+            cost = self.costs[pool.name] = cost_model(eng, wl.structured_output.mask_s,
+                                                      kernels=self.scenario.deployment.cost_model)
+        else:
+            eng.timing = cost.timing   # the calibrated terms cost_model gave the pool's first engine
         if pool.dep.pp > 1 and eng.supports_pipeline_microbatches:
             replica = PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done,
                                        check_invariants=self.check_invariants, stages=pool.dep.pp)
@@ -169,7 +176,9 @@ class Runner:
 
     def _state(self, i: int, first: int) -> ReplicaState:
         """Replica i's state as its router sees it (the last load report, or now), numbered from `first`."""
-        s = self.reported[i] if self.reported is not None else self._live_state(i)
+        if self.reported is None:
+            return ReplicaState.live(i - first, self.replicas[i].engine)
+        s = self.reported[i]
         return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens)
 
     def _live_state(self, i: int) -> ReplicaState:
