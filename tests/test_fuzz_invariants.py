@@ -136,12 +136,13 @@ def scenarios(draw, engine: str | None = None):
                                           "max_retries": draw(st.sampled_from([0, 2]))}
     prefill_role = [n for n in ENGINE_NAMES if "prefill" in ENGINES.get(n).disaggregation_roles]
     if engine in prefill_role and not failures and draw(st.sampled_from([False, False, True])):
-        # prefill/decode pools: the drawn engine prefills (its knobs below), vLLM decodes (the drawn knobs too when
-        # it is the drawn engine, else its defaults)
+        # prefill/decode pools: the drawn engine prefills (its knobs below); an engine with the decode role decodes
+        # (the drawn knobs too when it is the drawn engine, else its defaults)
+        decode = draw(st.sampled_from([n for n in ENGINE_NAMES if "decode" in ENGINES.get(n).disaggregation_roles]))
         data["pools"] = [{"role": "prefill", "replicas": draw(st.sampled_from([1, 2])),
                           "kv_transfer": draw(st.sampled_from(["after_prefill", "layerwise"]))},
                          {"role": "decode", "replicas": draw(st.sampled_from([1, 2])),
-                          **({} if engine == "vllm" else {"engine": "vllm"})}]
+                          **({} if engine == decode else {"engine": decode})}]
     kv_tokens = draw(st.sampled_from([0, 600, 2500, 9000, 40000]))  # 0: the engine's own sizing
     caps = {"batch": draw(st.sampled_from([None, 1, 3, 16])), "tokens": draw(st.sampled_from([None, 64, 512, 4096]))}
     return engine, data, kv_tokens, caps
@@ -233,18 +234,19 @@ def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
         assert f["retries"] <= f["failures"] * len(req) * runner.scenario.deployment.failures.max_retries
     for e in runner.engines:
         e.check_invariants()
-        if not (e.num_running() or e.num_waiting()):
+        if not (e.num_running() or e.num_waiting() or e.held):   # held: KV a decode replica has yet to pull
             assert_kv_released(e)
     # caps and per-step sanity
-    eng = runner.engines[0]
     if len(steps):
-        tokens = steps["prefill_tokens"] + steps["decode_tokens"]
         assert (steps["batch_size"] >= 1).all()
-        if eng.step_token_limit is not None:
-            assert tokens.max() <= eng.step_token_limit, (tokens.max(), eng.step_token_limit)
-        if eng.batch_size_limit is not None:
-            assert steps["batch_size"].max() <= eng.batch_size_limit
-            assert steps["num_running"].max() <= eng.batch_size_limit
+        for i, mine in steps.groupby("replica"):   # each replica within its own engine's caps (pools differ)
+            eng = runner.engines[int(i)]
+            tokens = mine["prefill_tokens"] + mine["decode_tokens"]
+            if eng.step_token_limit is not None:
+                assert tokens.max() <= eng.step_token_limit, (tokens.max(), eng.step_token_limit)
+            if eng.batch_size_limit is not None:
+                assert mine["batch_size"].max() <= eng.batch_size_limit
+                assert mine["num_running"].max() <= eng.batch_size_limit
         assert steps["kv_usage"].between(0.0, 1.0).all()
         assert (steps["end_s"] >= steps["start_s"]).all() and (steps["end_s"] <= end + 1e-9).all()
         for _, g in steps.groupby("replica"):

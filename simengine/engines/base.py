@@ -114,8 +114,9 @@ class EnginePolicy(ABC):
         """Free a released request's KV (the prefill role's deferred half of `release`)."""
         raise NotImplementedError(f"{self.name} has no prefill role")
 
-    def remote_kv_arrived(self, req: Request) -> None:
-        """P/D decode side: the KV of the request's reserved blocks has arrived; it may be scheduled."""
+    def remote_kv_arrived(self, req: Request, now: float) -> None:
+        """P/D decode side: the KV of the request's reserved blocks has arrived at `now`; it may be scheduled (or,
+        where the prefill's first token came with it and was its last, it is finished)."""
         raise NotImplementedError(f"{self.name} has no decode role")
 
     def prefix_hit_rate(self) -> float:

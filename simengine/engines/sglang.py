@@ -38,6 +38,8 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # environ.py SGLANG_MIN_NEW_TOKEN_RATIO_FACT
 NEW_TOKEN_RATIO_DECAY_STEPS = 600   # environ.py SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20           # environ.py SGLANG_RETRACT_DECODE_STEPS
 CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+NUM_RESERVED_DECODE_TOKENS = 512    # server_args.py num_reserved_decode_tokens: a P/D decode server keeps this many
+                                    # tokens per active request free for their decoding (disaggregation/decode.py)
 LPM_QUEUE_LIMIT = 128               # schedule_policy.py _determine_active_policy: lpm -> fcfs above this
 IN_BATCH_PREFIX_THRESHOLD = 32      # schedule_policy.py IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
 
@@ -126,9 +128,10 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                       "sgl-kernel-npu ('Ascend NPUs' platform page)")
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
     # --disaggregation-mode prefill: a finished request's KV stays locked in the inflight queue until the
-    # transfer backend (mooncake, nixl) has sent it (python/sglang/srt/disaggregation/prefill.py); the decode
-    # mode's prealloc and transfer queues are not modelled here
-    disaggregation_roles = frozenset({"prefill"})
+    # transfer backend (mooncake, nixl) has sent it (python/sglang/srt/disaggregation/prefill.py);
+    # --disaggregation-mode decode: prealloc queue -> transfer queue -> prebuilt batch -> running batch
+    # (disaggregation/decode.py), without the decode-side radix cache (--disaggregation-decode-enable-radix-cache off)
+    disaggregation_roles = frozenset({"prefill", "decode"})
 
     def __init__(self, params: SglangParams, dep: Deployment):
         p = params
@@ -166,6 +169,11 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._entry: dict[int, int] = {}       # request id -> queue-entry sequence (priority tie-break)
         self._seq = 0
         self._prefilled: list[Request] = []
+        # P/D decode side: requests waiting for KV slots (DecodePreallocQueue), with slots and KV on its way
+        # (DecodeTransferQueue), and arrived (the prebuilt batch the next schedule merges into running)
+        self.prealloc: list[Request] = []
+        self.loading: dict[int, Request] = {}
+        self.prebuilt: list[Request] = []
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -185,7 +193,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         return len(self.running) + (self.chunked is not None)
 
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.prealloc) + len(self.prebuilt)
 
 
 
@@ -200,6 +208,9 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             # tokenizer_manager validation: input + max_new_tokens must fit the context (HTTP 400)
             return self.reject(req, f"prompt {req.prompt_len} + max_tokens {req.max_tokens} exceeds the "
                                     f"max request length {self.max_model_len} (context/KV pool)")
+        if req.remote_kv_tokens:
+            self.prealloc.append(req)
+            return True
         self._enqueue(req)
         return True
 
@@ -239,6 +250,10 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         # only while free + evictable - reserved decode growth covers it) whenever one forms, else one decode
         # token for every running request; at most one chunked request; len(running) <= max_running_requests.
         out = SchedulerOutput()
+        if self.prealloc:
+            self._preallocate(out)
+        if self.prebuilt:
+            self._merge_prebuilt(now)
         if not self.running and self.chunked is None:
             self.batch_is_full = False     # update_running_batch resets it once the batch is empty
         if not self._schedule_prefill(out, now):
@@ -424,6 +439,65 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
         self.batch_is_full = False
 
+    # ---- P/D disaggregation, decode side ------------------------------------------------------------
+    def _preallocate(self, out: SchedulerOutput) -> None:
+        """DecodePreallocQueue.pop_preallocated, first come first served: slots for a request's whole prompt when the
+        pool, less NUM_RESERVED_DECODE_TOKENS for every active request, holds them and its own reservation, and the
+        request could finish with every running request retracted; the KV then loads into them."""
+        active = len(self.running) + len(self.loading) + len(self.prebuilt)
+        retractable = sum(r.prompt_len + r.num_output_tokens for r in self.running)
+        taken = 0
+        for req in self.prealloc:
+            if active >= self.max_running_requests:   # req_to_token_pool slots
+                break
+            allocatable = self.cache.available() - NUM_RESERVED_DECODE_TOKENS * active
+            need = req.prompt_len + NUM_RESERVED_DECODE_TOKENS
+            if max(need, req.prompt_len + self._reserve(req) - retractable) > allocatable:
+                break
+            hold = self.cache.acquire(req.token_ids, 0)
+            if not self.cache.grow(hold, req.prompt_len):
+                self.cache.release(hold)
+                break
+            req.engine_state = hold
+            req.remote_kv_tokens = req.prompt_len
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            self.loading[req.request_id] = req
+            out.kv_reserved.append(req)
+            active += 1
+            taken += 1
+        del self.prealloc[:taken]
+
+    def remote_kv_arrived(self, req: Request, now: float) -> None:
+        """DecodeTransferQueue: the KV is in place; the prefill side's first token came with it. A request of one
+        token is done; the others join the next prebuilt batch."""
+        del self.loading[req.request_id]
+        req.remote_kv_tokens = 0
+        req.num_computed_tokens = req.prompt_len
+        req.num_output_tokens = 1
+        if req.output_len == 1:
+            req.first_token_s = req.last_token_s = req.finish_s = now
+            if req.token_times is not None:
+                req.token_times.append(now)
+            req.status = Status.FINISHED
+            self.release(req)
+            return
+        self.prebuilt.append(req)
+
+    def _merge_prebuilt(self, now: float) -> None:
+        """get_new_prebuilt_batch + process_prebuilt: as many as the running batch has room for, no forward; their
+        first token goes out and they join the running batch, decoding from their second token."""
+        room = self.max_running_requests - len(self.running) - (self.chunked is not None)
+        if room <= 0:
+            return
+        for req in self.prebuilt[:room]:
+            req.first_token_s = req.last_token_s = now
+            if req.token_times is not None:
+                req.token_times.append(now)
+            self.mark_scheduled(req, now)
+            self.running.append(req)
+        del self.prebuilt[:room]
+
     def _retract_one(self, req: Request, out: SchedulerOutput) -> None:
         self.cache.release(req.engine_state)      # its inserted prompt stays in the tree, now evictable
         req.engine_state = None
@@ -436,7 +510,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
-        holders = self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
+        holders = (self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
+                   + list(self.loading.values()) + self.prebuilt)
         assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"
         assert len(self.running) <= self.max_running_requests
         assert all(r.engine_state is None for r in self.waiting), "a waiting request holds KV"

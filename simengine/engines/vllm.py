@@ -563,7 +563,7 @@ class VllmEngine(PagedEngine):
         out.kv_reserved.append(req)
         return True
 
-    def remote_kv_arrived(self, req: Request) -> None:
+    def remote_kv_arrived(self, req: Request, now: float) -> None:
         """Its KV is in its blocks: every prompt token but the last counts as computed, the last is recomputed for
         the first token's logits, and the request waits at the head of the queue (scheduler.py
         _update_waiting_for_remote_kv: num_computed_tokens -= 1 when the whole prompt arrived, cache_blocks)."""

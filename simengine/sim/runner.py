@@ -301,8 +301,11 @@ class Runner:
         end_prefill = self.prefill_end_s.pop(rid)
         self.transfers.append((rid, src, dst, num_bytes, start - reserved_s, env.now - start, env.now - end_prefill,
                                reserved_s - sent_s, waited_for_room))
-        self.replicas[dst].engine.remote_kv_arrived(req)
-        self.replicas[dst].wake()
+        self.replicas[dst].engine.remote_kv_arrived(req, env.now)
+        if req.is_finished:   # its one token came with the KV (SGLang)
+            self._on_done(req, dst)
+        else:
+            self.replicas[dst].wake()
 
     # ---- failures -------------------------------------------------------------------------------------------
     def _stated_failure(self, i: int, at_s: float, down_s: float):
