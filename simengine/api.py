@@ -99,14 +99,24 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
         summary["replicas"] = replica_sections(res.recorder, [e.prefix_cache_tokens() for e in res.engines],
                                                res.decisions, [p.name for p in runner.pool_of])
     if len(pools) > 1:
-        summary["pools"] = [{"name": p.name, "role": p.role, "engine": p.entry.engine, "hardware": p.dep.hardware.name,
-                             "tp": p.dep.tp, "pp": p.dep.pp, "replicas": list(p.indices), "devices": p.num_devices}
-                            for p in pools]
+        summary["pools"] = [pool_section(p, summary["replicas"], res.engines) for p in pools]
     if res.disaggregation is not None:
         summary["disaggregation"] = res.disaggregation
     return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down,
                         [p.name for p in runner.pool_of], runner.link_spans())
+
+
+def pool_section(pool, replicas: list[dict], engines: list) -> dict:
+    """One pool of a run: what it is, and its replicas' figures together (router decisions and requests summed,
+    prefix hit rate by token over its engines, KV usage averaged over its replicas)."""
+    mine = [replicas[i] for i in pool.indices]
+    queried, hit = np.sum([engines[i].prefix_cache_tokens() for i in pool.indices], axis=0)
+    return {"name": pool.name, "role": pool.role, "engine": pool.entry.engine, "hardware": pool.dep.hardware.name,
+            "tp": pool.dep.tp, "pp": pool.dep.pp, "replicas": list(pool.indices), "devices": pool.num_devices,
+            "router_decisions": sum(r["router_decisions"] for r in mine), "requests": sum(r["requests"] for r in mine),
+            "prefix_cache_hit_rate": round(float(hit / queried), 6) if queried else 0.0,
+            "mean_kv_usage": round(float(np.mean([r["mean_kv_usage"] for r in mine])), 6)}
 
 
 def engine_entries(scenario: Scenario, engines: list[EngineEntry | str] | None) -> list[EngineEntry]:
