@@ -67,12 +67,14 @@ def test_transfers_that_overlap_on_a_narrow_link_queue_and_take_longer(tmp_path)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), prefill=st.integers(1, 3), decode=st.integers(1, 3),
        layerwise=st.booleans(), small_decode_pool=st.booleans(), rate=st.sampled_from([4.0, 20.0]),
-       engines=st.sampled_from([("vllm", "vllm"), ("sglang", "sglang"), ("trtllm", "vllm"), ("vllm", "sglang")]))
+       engines=st.sampled_from([("vllm", "vllm"), ("sglang", "sglang"), ("trtllm", "vllm"), ("vllm", "sglang"),
+                                ("trtllm", "trtllm"), ("vllm", "trtllm")]))
 def test_a_disaggregated_run_conserves_requests(seed, prefill, decode, layerwise, small_decode_pool, rate, engines):
     pools = [{"role": "prefill", "replicas": prefill, "kv_transfer": "layerwise" if layerwise else "after_prefill",
               "engine": engines[0]}, {"role": "decode", "replicas": decode, "engine": engines[1]}]
     if small_decode_pool:   # about 4,096 tokens
-        pools[1]["params"] = {"kv_cache_memory_bytes": 2**29} if engines[1] == "vllm" else {"max_total_tokens": 4096}
+        pools[1]["params"] = {"vllm": {"kv_cache_memory_bytes": 2**29}, "sglang": {"max_total_tokens": 4096},
+                              "trtllm": {"kv_cache_max_tokens": 4096}}[engines[1]]
     sc = make_scenario(seed=seed, horizon_s=8.0, workload__arrival__rate=rate,
                        engines=[{"engine": "vllm", "pools": pools}])
     r = run_engine(sc, sc.engines[0], check_invariants=True)
@@ -123,7 +125,7 @@ def test_bad_layouts_are_refused_naming_the_field():
         Runner(*_first(disaggregated([{"role": "prefill"}])))
     with pytest.raises(InputError, match="same model"):
         Runner(*_first(disaggregated([{"role": "prefill"}, {"role": "decode", "model": "qwen2.5-7b"}])))
-    with pytest.raises(CannotRun, match="tgi has no decode role.*engines that do: sglang, vllm"):
+    with pytest.raises(CannotRun, match="tgi has no decode role.*engines that do: sglang, trtllm, vllm"):
         Runner(*_first(disaggregated([{"role": "prefill"}, {"role": "decode", "engine": "tgi"}])))
     # two 8-device replicas of L40S sit in two servers, and the L40S YAML describes no network between them
     with pytest.raises(InputError, match="l40s describes no network") as e:
@@ -147,18 +149,18 @@ def test_mixed_pools_of_two_devices_share_one_router():
     assert max(decisions) - min(decisions) <= 1 and sum(decisions) == s["num_requests"]
 
 
-def test_sglang_decodes_from_the_prefill_sides_first_token():
-    """SGLang's decode server takes the first token with the KV (no recompute): its first token comes when the KV
+def test_sglang_and_trtllm_decode_from_the_prefill_sides_first_token():
+    """SGLang's and TRT-LLM's decode servers take the first token with the KV (no recompute): it comes when the KV
     is in place, before vLLM's decode side has run its one-token step; the rest decode as usual."""
     wl = {"arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 12,
           "input_tokens": {"dist": "constant", "value": 3000}, "output_tokens": {"dist": "constant", "value": 40}}
     ttft = {}
-    for decode in ("vllm", "sglang"):
+    for decode in ("vllm", "sglang", "trtllm"):
         sc = disaggregated([{"role": "prefill", "engine": "vllm"}, {"role": "decode", "engine": decode}], workload=wl)
         r = run_engine(sc, sc.engines[0], check_invariants=True)
         assert r.summary["completed"] == 12 and (r.requests["num_output_tokens"] == 40).all()
         ttft[decode] = r.requests["ttft_ms"].to_numpy()
-    assert (ttft["sglang"] < ttft["vllm"]).all()
+    assert (ttft["sglang"] < ttft["vllm"]).all() and (ttft["trtllm"] < ttft["vllm"]).all()
 
 
 def test_prefill_on_trtllm_decode_on_vllm():

@@ -114,6 +114,22 @@ class EnginePolicy(ABC):
         """Free a released request's KV (the prefill role's deferred half of `release`)."""
         raise NotImplementedError(f"{self.name} has no prefill role")
 
+    @staticmethod
+    def take_remote_first_token(req: Request, now: float) -> bool:
+        """P/D decode side of engines whose prefill server sends its first token with the KV (SGLang, TRT-LLM):
+        the prompt counts as computed and that token as produced at `now`. True when it was the request's last
+        (the request is finished; the caller frees its KV)."""
+        req.remote_kv_tokens = 0
+        req.num_computed_tokens = req.prompt_len
+        req.num_output_tokens = 1
+        req.first_token_s = req.last_token_s = now
+        if req.token_times is not None:
+            req.token_times.append(now)
+        if req.output_len > 1:
+            return False
+        req.status, req.finish_s = Status.FINISHED, now
+        return True
+
     def remote_kv_arrived(self, req: Request, now: float) -> None:
         """P/D decode side: the KV of the request's reserved blocks has arrived at `now`; it may be scheduled (or,
         where the prefill's first token came with it and was its last, it is finished)."""

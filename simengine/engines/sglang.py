@@ -472,14 +472,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         """DecodeTransferQueue: the KV is in place; the prefill side's first token came with it. A request of one
         token is done; the others join the next prebuilt batch."""
         del self.loading[req.request_id]
-        req.remote_kv_tokens = 0
-        req.num_computed_tokens = req.prompt_len
-        req.num_output_tokens = 1
-        if req.output_len == 1:
-            req.first_token_s = req.last_token_s = req.finish_s = now
-            if req.token_times is not None:
-                req.token_times.append(now)
-            req.status = Status.FINISHED
+        if self.take_remote_first_token(req, now):
             self.release(req)
             return
         self.prebuilt.append(req)
@@ -491,9 +484,9 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         if room <= 0:
             return
         for req in self.prebuilt[:room]:
-            req.first_token_s = req.last_token_s = now
+            req.first_token_s = req.last_token_s = now   # goes out with this batch (no forward)
             if req.token_times is not None:
-                req.token_times.append(now)
+                req.token_times[-1] = now
             self.mark_scheduled(req, now)
             self.running.append(req)
         del self.prebuilt[:room]

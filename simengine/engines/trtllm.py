@@ -106,10 +106,11 @@ class TrtllmEngine(PagedEngine):
     Params = TrtllmParams
     vendors = frozenset({"nvidia"})
     kernel_backend = "trtllm"  # TensorRT-LLM's own kernels (aiconfigurator-core's trtllm tables)
-    # disaggregated serving: a context-only request keeps its blocks until the kv_cache_transceiver has sent them
-    # (docs/source/advanced/disaggregated-service.md, `trtllm-serve disaggregated`); its generation side is not
-    # modelled here
-    disaggregation_roles = frozenset({"prefill"})
+    # disaggregated serving (docs/source/advanced/disaggregated-service.md, `trtllm-serve disaggregated`): a
+    # context-only request keeps its blocks until the kv_cache_transceiver has sent them; a generation-only request
+    # (DISAGG_GENERATION_INIT) gets blocks from the capacity scheduler, receives the KV into them and decodes from
+    # the context server's first token (py_executor.py _prepare_disagg_gen_init, _check_disagg_gen_transfer_status)
+    disaggregation_roles = frozenset({"prefill", "decode"})
     device_classes = frozenset({"datacenter", "workstation", "consumer", "edge"})
     support_source = ("TensorRT-LLM docs 'Supported hardware' (NVIDIA GPUs only: Blackwell, Hopper, Ada, Ampere; "
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
@@ -138,6 +139,8 @@ class TrtllmEngine(PagedEngine):
         self.running: list[Request] = []   # started (holding KV), arrival order; includes overlap tails
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
         self._produced: set[int] = set()   # block keys contexts compute this step (not reusable until done)
+        self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
+        self.loading: dict[int, Request] = {}  # with blocks, their KV on its way
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -154,6 +157,9 @@ class TrtllmEngine(PagedEngine):
             custom_allreduce=True)  # allreduce_strategy AUTO picks its one-/two-shot NVLink kernels (llm_args.py)
 
     # ---- queues -------------------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.gen_init)
+
     def add_request(self, req: Request, now: float) -> bool:
         if not self.check_length(req):
             return False
@@ -162,6 +168,9 @@ class TrtllmEngine(PagedEngine):
                                     "and enable_chunked_prefill is False")
         # the LLM API clamps max_tokens to max_seq_len - prompt (finish reason 'length')
         req.output_len = min(req.output_len, self.max_model_len - req.prompt_len)
+        if req.remote_kv_tokens:
+            self.gen_init.append(req)
+            return True
         insort(self.waiting, req, key=_order)
         return True
 
@@ -197,6 +206,8 @@ class TrtllmEngine(PagedEngine):
         # and STATIC_BATCH free blocks always cover what every started request still needs to completion.
         out = SchedulerOutput()
         self._produced.clear()
+        if self.gen_init:
+            self._prepare_gen_init(out)
         if self.policy == "MAX_UTILIZATION":
             self._schedule_max_utilization(out, now)
         else:
@@ -215,7 +226,8 @@ class TrtllmEngine(PagedEngine):
     def _available_blocks(self) -> int:
         """Free blocks (reusable ones included) minus every started request's blocks still to come."""
         kv = self.kv
-        reserved = sum(max(0, kv.blocks_for(self._reserve_tokens(r)) - kv.num_blocks_of(r)) for r in self.running)
+        reserved = sum(max(0, kv.blocks_for(self._reserve_tokens(r)) - kv.num_blocks_of(r))
+                       for reqs in (self.running, self.loading.values()) for r in reqs)
         return kv.pool.num_free - reserved
 
     def _context_tokens(self, req: Request, hit: PrefixHit, capacity: int) -> tuple[int, int]:
@@ -232,6 +244,36 @@ class TrtllmEngine(PagedEngine):
         if not self.kv.allocate_slots(req, n):
             raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
         out.scheduled.append((req, n))
+
+    def _prepare_gen_init(self, out: SchedulerOutput) -> None:
+        """Generation-only requests in arrival order, while the batch has room and (GUARANTEED_NO_EVICT) the blocks
+        to their completion fit beside every started request's: blocks for the prompt now, the KV on its way."""
+        avail = self._available_blocks()
+        taken = 0
+        for req in self.gen_init:
+            if len(self.running) + len(self.loading) >= self.max_batch_size:
+                break
+            need = self.kv.blocks_for(self._reserve_tokens(req) if self.policy != "MAX_UTILIZATION" else req.prompt_len)
+            if need > avail or not self.kv.allocate_slots(req, 0, reserve_tokens=req.prompt_len):
+                break
+            avail -= need
+            req.remote_kv_tokens = req.prompt_len
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            self.loading[req.request_id] = req
+            out.kv_reserved.append(req)
+            taken += 1
+        del self.gen_init[:taken]
+
+    def remote_kv_arrived(self, req: Request, now: float) -> None:
+        """The KV is in its blocks: the context server's first token came with it; it decodes from the next step."""
+        del self.loading[req.request_id]
+        if self.take_remote_first_token(req, now):
+            self.kv.free(req)
+            return
+        self.kv.publish_through(req, req.prompt_len)
+        self.mark_scheduled(req, now)
+        insort(self.running, req, key=_order)
 
     def _schedule_started(self, out: SchedulerOutput) -> _Budget:
         """Generation tokens first, then the next chunk of contexts already chunking (FCFS)."""
