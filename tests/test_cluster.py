@@ -103,6 +103,22 @@ def test_a_small_decode_pool_keeps_kv_on_the_prefill_side_and_counts_the_waits()
     assert s["completed"] == s["num_requests"]
 
 
+@pytest.mark.parametrize("kv_transfer", ["after_prefill", "layerwise"])
+def test_a_decode_pool_that_refuses_long_prompts_fails_them_once(kv_transfer):
+    """The decode pool's vLLM caps its context at 2,048 tokens: longer prompts are prefilled (the prefill pool takes
+    them), then refused by the decode side; each is one failed request, the prefill replica frees its KV."""
+    pools = [{"role": "prefill", "kv_transfer": kv_transfer},
+             {"role": "decode", "engine": "vllm", "params": {"max_model_len": 2048}}]
+    sc = disaggregated(pools, horizon_s=15.0, workload__arrival__rate=6.0)
+    r = run_engine(sc, sc.engines[0], check_invariants=True)
+    s, req = r.summary, r.requests
+    assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"] == len(req)
+    assert req["request_id"].is_unique
+    long = req["prompt_len"] + 1 > 2048
+    assert long.any() and (req.loc[long, "status"] == "failed").all()
+    assert (req.loc[~long, "status"] == "completed").all()
+
+
 def test_ttft_includes_the_prefill_side_queue_and_compute():
     """Six long prompts at once on one prefill replica: each first token comes after the prefill steps before it
     (its queue and its own compute) and its transfer; the last one after all of them."""

@@ -405,6 +405,11 @@ class Runner:
                 self.decode_sent.pop(req.request_id, None)
                 self.prefill_done.pop(req.request_id, None)
                 self.prefill_end_s.pop(req.request_id, None)
+        if self.back is not None and self.live.get(req.request_id) is not req:
+            # a layerwise prefill copy finishing after its request left (the decode side refused it): only the
+            # prefill replica's router hears of it
+            self.front.router.finished(req, replica - self.front.first)
+            return
         self.live.pop(req.request_id, None)
         placed = self.assigned.pop(req.request_id, None)
         if placed is not None:
