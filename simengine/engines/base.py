@@ -64,6 +64,7 @@ class EnginePolicy(ABC):
         self.max_model_len = dep.model.max_model_len
         self.num_preemptions = 0
         self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled
+        self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, the remote KV on its way
         self.timing: EngineTiming = self.make_timing()
 
     def engine_gemm_flops_s(self) -> float | None:
@@ -113,6 +114,15 @@ class EnginePolicy(ABC):
     def free_kv(self, req: Request) -> None:
         """Free a released request's KV (the prefill role's deferred half of `release`)."""
         raise NotImplementedError(f"{self.name} has no prefill role")
+
+    def reserved_for_remote(self, req: Request, remote_tokens: int, out: SchedulerOutput) -> None:
+        """P/D decode side: blocks are reserved for `req`, and `remote_tokens` of its prompt (past a local prefix
+        hit) will arrive from the prefill replica; the replica starts the transfer (SchedulerOutput.kv_reserved)."""
+        req.remote_kv_tokens = remote_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.prompt_len - remote_tokens
+        self.loading[req.request_id] = req
+        out.kv_reserved.append(req)
 
     @staticmethod
     def take_remote_first_token(req: Request, now: float) -> bool:

@@ -169,10 +169,9 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._entry: dict[int, int] = {}       # request id -> queue-entry sequence (priority tie-break)
         self._seq = 0
         self._prefilled: list[Request] = []
-        # P/D decode side: requests waiting for KV slots (DecodePreallocQueue), with slots and KV on its way
-        # (DecodeTransferQueue), and arrived (the prebuilt batch the next schedule merges into running)
+        # P/D decode side: requests waiting for KV slots (DecodePreallocQueue) and arrived (the prebuilt batch the
+        # next schedule merges into running); those with slots and KV on its way (DecodeTransferQueue): self.loading
         self.prealloc: list[Request] = []
-        self.loading: dict[int, Request] = {}
         self.prebuilt: list[Request] = []
 
     def make_timing(self) -> EngineTiming:
@@ -459,11 +458,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 self.cache.release(hold)
                 break
             req.engine_state = hold
-            req.remote_kv_tokens = req.prompt_len
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
-            self.loading[req.request_id] = req
-            out.kv_reserved.append(req)
+            self.reserved_for_remote(req, req.prompt_len, out)
             active += 1
             taken += 1
         del self.prealloc[:taken]

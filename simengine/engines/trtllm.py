@@ -140,7 +140,6 @@ class TrtllmEngine(PagedEngine):
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
         self._produced: set[int] = set()   # block keys contexts compute this step (not reusable until done)
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
-        self.loading: dict[int, Request] = {}  # with blocks, their KV on its way
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -257,11 +256,7 @@ class TrtllmEngine(PagedEngine):
             if need > avail or not self.kv.allocate_slots(req, 0, reserve_tokens=req.prompt_len):
                 break
             avail -= need
-            req.remote_kv_tokens = req.prompt_len
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
-            self.loading[req.request_id] = req
-            out.kv_reserved.append(req)
+            self.reserved_for_remote(req, req.prompt_len, out)
             taken += 1
         del self.gen_init[:taken]
 

@@ -149,7 +149,6 @@ class VllmEngine(PagedEngine):
         # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
         self.async_finish = p.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
-        self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, remote KV on its way
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -556,11 +555,7 @@ class VllmEngine(PagedEngine):
             return False
         self._pop_waiting()
         req.num_computed_tokens = hit.num_tokens
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit.num_tokens
-        req.remote_kv_tokens = req.num_tokens - hit.num_tokens
-        self.loading[req.request_id] = req
-        out.kv_reserved.append(req)
+        self.reserved_for_remote(req, req.num_tokens - hit.num_tokens, out)
         return True
 
     def remote_kv_arrived(self, req: Request, now: float) -> None:
