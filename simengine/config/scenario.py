@@ -73,10 +73,9 @@ class DeploymentConfig(Checked):
 
     def __post_init__(self):
         super().__post_init__()
-        from simengine.routers import ROUTERS
+        from simengine.routers.base import router_and_params
 
-        router = ROUTERS.get(self.router, field="deployment.router")
-        from_dict(router.Params, self.router_params, source="scenario", field="deployment.router_params")
+        router_and_params(self.router, self.router_params, at="deployment.")
         for i, f in enumerate(self.failures.at if self.failures else []):
             if f.replica >= self.replicas:
                 raise InputError(f"replica {f.replica} does not exist: the deployment has {self.replicas} "
@@ -112,10 +111,9 @@ class PoolConfig(Checked):
     def __post_init__(self):
         super().__post_init__()
         if self.router is not None:
-            from simengine.routers import ROUTERS
+            from simengine.routers.base import router_and_params
 
-            router = ROUTERS.get(self.router, field="router")
-            from_dict(router.Params, self.router_params or {}, source="scenario", field="router_params")
+            router_and_params(self.router, self.router_params or {}, at="")
 
     def deployment(self, base: DeploymentConfig) -> DeploymentConfig:
         """The deployment this pool runs: `base` with the fields the pool sets."""

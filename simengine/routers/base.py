@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from simengine.config.loader import Checked
+from simengine.config.loader import Checked, from_dict
 from simengine.core.request import Request
 from simengine.registry import Registry
 
@@ -74,6 +74,13 @@ class Router(ABC):
 
 
 ROUTERS: Registry[Router] = Registry("router")
+
+
+def router_and_params(name: str, params: dict, *, at: str) -> tuple[type[Router], object]:
+    """The registered router `name` and its knobs parsed; a bad name or knob is an InputError naming
+    `<at>router` or `<at>router_params` (`at`: 'deployment.', 'pools[1].', or '' inside a pool's own section)."""
+    cls = ROUTERS.get(name, field=f"{at}router")
+    return cls, from_dict(cls.Params, params, source="scenario", field=f"{at}router_params")
 
 
 def least_loaded_of(replicas: list[ReplicaState]) -> int:

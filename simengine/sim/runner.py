@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from simengine.config.loader import from_dict
 from simengine.config.scenario import DeploymentConfig, EngineEntry, Scenario
 from simengine.core.request import Request, Status
 from simengine.cost.step import CostModel
 from simengine.engines import EnginePolicy
 from simengine.engines.memory import Deployment
 from simengine.metrics.recorder import Recorder
-from simengine.routers import ROUTERS, ReplicaState, Router
+from simengine.routers import ReplicaState, Router
+from simengine.routers.base import router_and_params
 from simengine.sim.build import Pool, build_engine, cost_model, plan_pools
 from simengine.sim.links import Link, kv_path, place
 from simengine.sim.replica import PipelinedReplica, Replica
@@ -57,8 +57,7 @@ class Tier:
 
     def __init__(self, indices: range, config: DeploymentConfig, where: str, seed: int, salt: int):
         self.indices, self.first = indices, indices.start
-        router = ROUTERS.get(config.router, field=f"{where}.router")
-        params = from_dict(router.Params, config.router_params, source="scenario", field=f"{where}.router_params")
+        router, params = router_and_params(config.router, config.router_params, at=f"{where}.")
         self.router: Router = router(params, len(indices), np.random.default_rng([seed, salt]))
 
 
