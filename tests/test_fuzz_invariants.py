@@ -46,6 +46,7 @@ from simengine.errors import InputError
 from simengine.routers import ROUTERS
 from simengine.sim.build import build_deployment, plan_pools
 from simengine.sim.runner import Runner
+from tests.conftest import SPEC_ENGINES, spec_params
 from tests.fuzz_report import FUZZ
 
 ENGINE_NAMES = ENGINES.names()
@@ -145,6 +146,14 @@ def scenarios(draw, engine: str | None = None):
                           **({} if engine == decode else {"engine": decode})}]
     kv_tokens = draw(st.sampled_from([0, 600, 2500, 9000, 40000]))  # 0: the engine's own sizing
     caps = {"batch": draw(st.sampled_from([None, 1, 3, 16])), "tokens": draw(st.sampled_from([None, 64, 512, 4096]))}
+    if engine in SPEC_ENGINES and draw(st.sampled_from([False, False, True])):   # speculative decoding
+        method = draw(st.sampled_from(["eagle3", "ngram", "draft_model"] if model == "llama-3.1-8b" else
+                                      ["eagle3", "ngram"]))
+        if engine == "llamacpp" and model != "llama-3.1-8b":
+            method = None    # llama.cpp drafts with a model, and Llama-3.2-1B shares only Llama-3's vocabulary
+        if method:
+            caps["spec"] = spec_params(engine, method, draw(st.integers(1, 6)),
+                                       [draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))])
     return engine, data, kv_tokens, caps
 
 
@@ -157,6 +166,7 @@ def build(engine: str, data: dict, kv_tokens: int, caps: dict) -> Scenario:
         key = next((k for k in keys if k in fields), None)
         if key and value is not None:
             params[key] = value
+    params |= caps.get("spec") or {}
     entry = EngineEntry(engine=engine, params=params)
     sc = dataclasses.replace(sc, engines=[entry])
     plan_pools(sc, entry)  # refuse impossible knobs (does not fit, ...) as the CLI would
@@ -241,7 +251,7 @@ def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
         assert (steps["batch_size"] >= 1).all()
         for i, mine in steps.groupby("replica"):   # each replica within its own engine's caps (pools differ)
             eng = runner.engines[int(i)]
-            tokens = mine["prefill_tokens"] + mine["decode_tokens"]
+            tokens = mine["prefill_tokens"] + mine["decode_tokens"] + mine["draft_tokens"]
             if eng.step_token_limit is not None:
                 assert tokens.max() <= eng.step_token_limit, (tokens.max(), eng.step_token_limit)
             if eng.batch_size_limit is not None:

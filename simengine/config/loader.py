@@ -72,6 +72,8 @@ class Checked:
                 if (r := range_of(tp)) is not None:
                     r.check(value, source=None, field=name)
             elif isinstance(value, tuple | list):   # a range on the item type: tuple[Annotated[int, Range], ...]
+                if get_origin(tp) in (typing.Union, types.UnionType):   # list[...] | None
+                    tp = next(a for a in get_args(tp) if a is not type(None))
                 r = next((r for a in get_args(tp) if (r := range_of(a)) is not None), None)
                 for i, v in enumerate(value):
                     if r is not None and isinstance(v, int | float) and not isinstance(v, bool):

@@ -12,12 +12,16 @@ class BatchShape:
     """Token-level shape of one forward pass (all the cost model needs)."""
 
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (new tokens, cached context before)
-    num_decode: int = 0                 # requests computing exactly one new token
+    num_decode: int = 0                 # decoding requests: one new token each (plus spec_tokens drafts in all)
     decode_context_tokens: int = 0      # sum over decodes of the context their attention reads
     num_logits: int = 0                 # tokens that produce logits (decodes + prompts finishing this step)
     padded_decode: int = 0              # decode batch after CUDA-graph padding (>= num_decode)
     cuda_graph: bool = False            # whole step replayed from a captured graph
     num_structured: int = 0             # requests sampling under a grammar mask this step
+    # speculative decoding (engines/speculative.py): decodes that verify drafts, and the drafts they verify in all
+    # (query tokens beside each one's own: the GEMMs and the LM head take them, attention reads the context once)
+    num_spec: int = 0
+    spec_tokens: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -26,7 +30,7 @@ class BatchShape:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode
+        return self.num_prefill_tokens + self.num_decode + self.spec_tokens
 
 
 @dataclass(slots=True)

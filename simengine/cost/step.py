@@ -40,11 +40,42 @@ def step_seconds(gpu, cuda_graph, host_extra, t: EngineTiming, launch_s, maximum
     return total + t.exposed_host_s(total, host_extra)
 
 
-class CostModel:
-    """Step time of one replica: `kernels` for the GPU, `timing` for the engine's launch and host mechanisms."""
+class Proposer:
+    """What drafting a step's speculative tokens costs (engines/speculative.py): a draft network's forward passes
+    (`draft`: the step-time model of a draft model or a one-layer draft head, without host terms of its own), one
+    per draft position for the drafting requests, plus one over the step's prompt tokens, whose hidden states or KV
+    the draft needs; or, for prompt lookup (ngram), host time per drafting request. The proposer runs between the
+    target's forwards, so its time adds to the step."""
 
-    def __init__(self, kernels: RooflineKernels, timing: EngineTiming, *, grammar_mask_s: float = 0.0):
-        self.kernels, self.timing = kernels, timing
+    def __init__(self, draft: CostModel | None, host_s_per_request: float = 0.0, *, batched: bool = True):
+        self.draft, self.host_s_per_request = draft, host_s_per_request
+        self.batched = batched   # False: each request drafts alone (llama.cpp's slots), a batch of one per pass
+
+    def seconds(self, shape: BatchShape) -> float:
+        n = shape.num_spec
+        if self.draft is None:
+            return n * self.host_s_per_request
+        ctx = shape.decode_context_tokens * n // max(shape.num_decode, 1)
+        if self.batched:
+            passes, batch = -(-shape.spec_tokens // n), n   # draft positions (the deepest request's)
+        else:
+            passes, batch, ctx = shape.spec_tokens, 1, ctx // n
+        cuda_graph, padded = self.draft.timing.graph_for(batch, True)
+        one = self.draft.step(BatchShape(num_decode=batch, decode_context_tokens=ctx, num_logits=batch,
+                                         padded_decode=padded, cuda_graph=cuda_graph)).seconds
+        total = passes * one
+        if shape.prefill_chunks:
+            total += self.draft.step(BatchShape(prefill_chunks=shape.prefill_chunks)).seconds
+        return total
+
+
+class CostModel:
+    """Step time of one replica: `kernels` for the GPU, `timing` for the engine's launch and host mechanisms, and
+    the speculative `proposer` where the engine drafts tokens."""
+
+    def __init__(self, kernels: RooflineKernels, timing: EngineTiming, *, grammar_mask_s: float = 0.0,
+                 proposer: Proposer | None = None):
+        self.kernels, self.timing, self.proposer = kernels, timing, proposer
         self.work = kernels.work
         self.model, self.tp, self.pp = self.work.model, self.work.tp, self.work.pp
         self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
@@ -80,7 +111,8 @@ class CostModel:
         prefill = 0
         for c, _ in chunks:
             prefill += c
-        tok = self.token_parts(prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode))
+        tok = self.token_parts(prefill + (shape.padded_decode if shape.padded_decode > num_decode else num_decode)
+                               + shape.spec_tokens)
         lm = self.logit_parts(shape.num_logits)
         gpu, compute, memory, measured = tok[0] + lm[0], tok[1] + lm[1], tok[2] + lm[2], tok[4] + lm[3]
         if chunks:
@@ -92,6 +124,8 @@ class CostModel:
         t = self.timing
         host = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
         seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
+        if shape.num_spec and self.proposer is not None:
+            seconds += self.proposer.seconds(shape)
         comm = tok[3]
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 
@@ -99,8 +133,8 @@ class CostModel:
         """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
         decode step), in one numpy pass: one row of StepCost fields per context, bit for bit `step`'s (the same
         operations in the same order; tests/test_cost_model.py)."""
-        if shape.prefill_chunks:
-            raise ValueError("decode_steps prices decode-only shapes")
+        if shape.prefill_chunks or shape.num_spec:
+            raise ValueError("decode_steps prices decode-only shapes without drafts")
         num_decode = shape.num_decode
         tok = self.token_parts(shape.padded_decode if shape.padded_decode > num_decode else num_decode)
         lm = self.logit_parts(shape.num_logits)

@@ -16,6 +16,7 @@ from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.memory import Deployment
+from simengine.engines.speculative import Speculation, with_proposer
 from simengine.kvcache.manager import KVCacheManager
 from simengine.kvcache.radix import RadixCache
 from simengine.registry import Registry
@@ -28,6 +29,7 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)
     itl_groups: dict[float, int] = field(default_factory=dict)
     num_first_tokens: int = 0
+    num_accepted: int = 0       # speculative drafts accepted (tokens streamed beside each request's own one)
 
 
 class EnginePolicy(ABC):
@@ -65,7 +67,21 @@ class EnginePolicy(ABC):
         self.num_preemptions = 0
         self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled
         self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, the remote KV on its way
+        # speculative decoding where the engine's params switch it on (engines/speculative.py): a decoding request
+        # is scheduled with 1 + drafts tokens, and update keeps the accepted ones
+        self.speculation: Speculation | None = self.speculation_of(params, dep)
+        self.dep = with_proposer(dep, self.speculation)   # the proposer's weights and KV share the devices
         self.timing: EngineTiming = self.make_timing()
+
+    @classmethod
+    def speculation_of(cls, params, dep: Deployment) -> Speculation | None:
+        """The speculative decoding the engine's params ask for (None: off, or an engine without it)."""
+        return None
+
+    def drafts(self, req: Request, batch: int) -> int:
+        """Drafts to verify for decoding `req` in a step of `batch` decodes (0 without speculation)."""
+        spec = self.speculation
+        return spec.proposals(req, batch, self.max_model_len) if spec is not None else 0
 
     def engine_gemm_flops_s(self) -> float | None:
         """FLOP/s the engine's own kernels reach on its deployment's layer GEMMs where they are not the vendor
@@ -213,10 +229,20 @@ class EnginePolicy(ABC):
         run_prev, run_count = -1.0, 0  # decodes whose previous token came at run_prev (mostly all of them)
         for req, n in islice(out.scheduled, out.num_lazy, None) if out.num_lazy else out.scheduled:
             computed = req.num_computed_tokens + n
-            req.num_computed_tokens = computed
             produced = req.num_output_tokens
-            if computed < req.prompt_len + produced:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            ahead = computed - req.prompt_len - produced
+            if ahead:
+                if ahead < 0:  # a prefill chunk that did not reach the end of the prompt
+                    req.num_computed_tokens = computed
+                    continue
+                # a decode that verified `ahead` drafts: keep the accepted ones, roll the rest's KV back
+                accepted = self.speculation.accepted(req, ahead)
+                computed -= ahead - accepted
+                produced += accepted
+                res.num_accepted += accepted
+                if req.token_times is not None:
+                    req.token_times.extend([now] * accepted)
+            req.num_computed_tokens = computed
             produced += 1
             req.num_output_tokens = produced
             if produced == 1:
@@ -268,7 +294,7 @@ class EnginePolicy(ABC):
         chunks = shape.prefill_chunks
         num_decode = logits = num_lazy
         ctx = lazy_context_tokens
-        structured = 0
+        structured = spec = drafts = 0
         for req, n in islice(scheduled, num_lazy, None) if num_lazy else scheduled:
             if req.structured:
                 structured += 1
@@ -277,6 +303,13 @@ class EnginePolicy(ABC):
             if n == 1 and computed == total - 1 and req.num_output_tokens:
                 num_decode += 1
                 ctx += total
+            elif computed + n > total:  # a decode verifying n - 1 speculative drafts
+                num_decode += 1
+                ctx += total
+                spec += 1
+                drafts += n - 1
+                logits += n
+                continue
             else:
                 chunks.append((n, computed))
                 if computed + n < total:
@@ -284,6 +317,7 @@ class EnginePolicy(ABC):
             logits += 1
         shape.num_decode, shape.decode_context_tokens, shape.num_logits = num_decode, ctx, logits
         shape.num_structured = structured
+        shape.num_spec, shape.spec_tokens = spec, drafts
         shape.cuda_graph, shape.padded_decode = self.timing.graph_for(num_decode, not chunks)
         return shape
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
+from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve, with_proposer
 from simengine.errors import CannotRun, InputError
 
 MIB = 2**20
@@ -75,6 +76,14 @@ class LlamaCppParams(Checked):
     cache_ram: Annotated[int, Range(0, 1 << 30, also=(-1,))] = 8192
     cache_idle_slots: bool = True        # --cache-idle-slots: save idle slots to the RAM cache (common.h)
     slot_prompt_similarity: Share = 0.1  # -sps; 0 disables similarity-based slot choice (common.h)
+    # speculative decoding with a draft model (-md / --spec-draft-model; a catalog name here): each generating slot
+    # drafts up to spec_draft_n_max tokens with it, one slot at a time, and the iteration verifies them
+    # (common.h common_params_speculative_draft n_max = 3 at 001d906; --draft-max, default 16, in older builds)
+    model_draft: str | None = None
+    spec_draft_n_max: Annotated[int, Range(1, 256)] = 3
+    # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not llama.cpp flags
+    spec_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
+    spec_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
 
     def __post_init__(self):
         super().__post_init__()
@@ -123,6 +132,7 @@ class LlamaCppEngine(EnginePolicy):
     def __init__(self, params: LlamaCppParams, dep: Deployment):
         _check_deployment(dep)
         p = params
+        dep = with_proposer(dep, self.speculation_of(p, dep))   # the draft model's weights and KV fit first
         auto = p.n_parallel in (None, 1) and not p.kv_unified
         self.n_parallel = 4 if auto else p.n_parallel
         self.kv_unified = True if auto else bool(p.kv_unified)
@@ -146,6 +156,15 @@ class LlamaCppEngine(EnginePolicy):
         self.clock = 0
         self.query_tokens = self.hit_tokens = self.ram_restored_tokens = 0
         self.num_truncated = 0
+
+    @classmethod
+    def speculation_of(cls, params: LlamaCppParams, dep: Deployment) -> Speculation | None:
+        p = params
+        if p.model_draft is None:
+            return None
+        knobs = AcceptanceKnobs(acceptance=p.spec_acceptance, acceptance_dataset=p.spec_acceptance_dataset)
+        return resolve("draft_model", p.spec_draft_n_max, knobs, target=dep.model, at="model_draft",
+                       draft_model=p.model_draft, model_field="model_draft", batched_drafts=False)
 
     def _fit_ctx(self, p: LlamaCppParams, dep: Deployment) -> int:
         """n_ctx cells: the training context (or -c), shrunk by --fit to what device memory holds (>= fit_ctx)."""
@@ -324,8 +343,10 @@ class LlamaCppEngine(EnginePolicy):
 
     def _plan_iteration(self, out: SchedulerOutput) -> None:
         entries = [(s.req, 1) for s in self.slots if s.req is not None and s.req.num_output_tokens]
+        if self.speculation is not None:   # each generating slot verifies its draft (server-context.cpp)
+            entries = [(r, 1 + self.drafts(r, len(entries))) for r, _ in entries]
         if self.params.cont_batching or not entries:
-            room = self.n_batch - len(entries)
+            room = self.n_batch - sum(n for _, n in entries)
             for s in self.slots:
                 if s.req is not None and not s.req.num_output_tokens and room > 0:
                     n = min(s.req.num_new_tokens, room)
@@ -370,7 +391,9 @@ class LlamaCppEngine(EnginePolicy):
             return [entries]
         head, tail = [], []
         for req, n in entries:
-            if req.num_computed_tokens + n >= req.num_tokens:
+            if req.num_computed_tokens + n > req.num_tokens:   # a decode and its drafts: one verify, never split
+                tail.append((req, n))
+            elif req.num_computed_tokens + n >= req.num_tokens:
                 if n > 1:
                     head.append((req, n - 1))
                 tail.append((req, 1))
@@ -380,6 +403,9 @@ class LlamaCppEngine(EnginePolicy):
         cur: dict[Request, int] = {}
         room = self.n_ubatch
         for req, n in head + tail:
+            if n > room and req.num_computed_tokens + n > req.num_tokens:   # a verify starts a new forward
+                pieces.append(list(cur.items()))
+                cur, room = {}, self.n_ubatch
             while n:
                 take = min(n, room)
                 cur[req] = cur.get(req, 0) + take

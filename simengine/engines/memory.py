@@ -27,6 +27,9 @@ class Deployment:
     tp: int = 1
     pp: int = 1
     expert_parallel: bool = False  # routed experts placed whole on devices (EP = tp) rather than TP-sliced
+    # a speculative proposer's weights and KV per token beside the target's (engines/speculative.py with_proposer)
+    proposer_weight_bytes_per_device: float = 0.0
+    proposer_kv_bytes_per_token_per_device: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -34,7 +37,8 @@ class Deployment:
 
     @property
     def weight_bytes_per_device(self) -> float:
-        return self.model.total_params * self.weight_format.bytes_per_param / self.num_devices
+        return (self.model.total_params * self.weight_format.bytes_per_param / self.num_devices
+                + self.proposer_weight_bytes_per_device)
 
     @property
     def kv_bytes_per_token_per_device(self) -> float:
@@ -42,9 +46,9 @@ class Deployment:
         m = self.model
         per_token = m.kv_bytes_per_token(self.kv_elem_bytes)
         if m.kv_latent_dim:  # MLA's latent is replicated across tp ranks
-            return per_token / self.pp
+            return per_token / self.pp + self.proposer_kv_bytes_per_token_per_device
         heads_per_device = max(1.0, m.num_kv_heads / self.tp)
-        return per_token * heads_per_device / m.num_kv_heads / self.pp
+        return per_token * heads_per_device / m.num_kv_heads / self.pp + self.proposer_kv_bytes_per_token_per_device
 
 
 def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs: int) -> float:

@@ -30,6 +30,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
+from simengine.engines.speculative import MTP_MODEL_TYPES, AcceptanceKnobs, Speculation, resolve
 from simengine.kvcache.radix import RadixCache
 
 MIB = 2**20
@@ -68,6 +69,18 @@ class SglangParams(Checked):
     disable_cuda_graph: bool = False               # fields/exec_.py
     cuda_graph_max_bs_decode: Sequences | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
     context_length: Tokens | None = None           # None: the model's max_position_embeddings
+    # speculative decoding (fields of server_args.py; docs/advanced_features/speculative_decoding.md): NEXTN is EAGLE
+    # over a model's own MTP layer, STANDALONE a separate draft model (speculative_draft_model_path, a catalog name
+    # here). None for steps/topk/draft tokens: auto, 5/4/8 for Llama, 3/1/4 otherwise; with topk 1 the draft tokens
+    # are steps + 1; NGRAM verifies 12 draft tokens (its max match window) as a chain
+    speculative_algorithm: Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"] | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: Annotated[int, Range(1, 64)] | None = None
+    speculative_eagle_topk: Annotated[int, Range(1, 64)] | None = None
+    speculative_num_draft_tokens: Annotated[int, Range(2, 256)] | None = None
+    # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not SGLang flags
+    speculative_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
+    speculative_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
 
 
 def sglang_gpu_defaults(dep: Deployment) -> tuple[int, int]:
@@ -141,6 +154,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         act_tokens = self.chunked_prefill_size if self.chunked_prefill_size > 0 else p.max_prefill_tokens
         self.mem_fraction = p.mem_fraction_static or sglang_mem_fraction_static(dep, act_tokens, self.graph_max_bs)
         super().__init__(params, dep)
+        dep = self.dep   # with a speculative proposer's weights and KV
         kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
         tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sglang",
                                      rule=f"mem_fraction_static={self.mem_fraction} of total memory")
@@ -152,7 +166,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         # max_req_len: a request must fit the pool alone, with the adder's one-page margin
         self.max_model_len = min(context, tokens - p.page_size - 1)
         cps_on = self.chunked_prefill_size > 0
-        self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests) if cps_on else None
+        slots = 1 + (self.speculation.num_tokens if self.speculation is not None else 0)  # a decode and its drafts
+        self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests * slots) if cps_on else None
         self.batch_size_limit = self.max_running_requests
         self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
         cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
@@ -174,13 +189,38 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.prealloc: list[Request] = []
         self.prebuilt: list[Request] = []
 
+    @classmethod
+    def speculation_of(cls, params: SglangParams, dep: Deployment) -> Speculation | None:
+        p, algo = params, params.speculative_algorithm
+        if algo is None:
+            return None
+        if algo == "NGRAM":
+            drafts = (p.speculative_num_draft_tokens or 12) - 1
+            steps, topk = drafts, 1
+        else:
+            steps, topk, tokens = (5, 4, 8) if dep.model.model_type == "llama" else (3, 1, 4)
+            steps, topk = p.speculative_num_steps or steps, p.speculative_eagle_topk or topk
+            tokens = steps + 1 if topk == 1 else (p.speculative_num_draft_tokens or tokens)
+            drafts = tokens - 1
+        method = {"EAGLE": "mtp" if dep.model.model_type in MTP_MODEL_TYPES else "eagle", "EAGLE3": "eagle3",
+                  "NEXTN": "mtp", "STANDALONE": "draft_model", "NGRAM": "ngram"}[algo]
+        knobs = AcceptanceKnobs(acceptance=p.speculative_acceptance,
+                                acceptance_dataset=p.speculative_acceptance_dataset)
+        # a tree of `drafts` tokens over `steps` positions: about drafts / steps candidates a position (<= topk)
+        return resolve(method, drafts, knobs, target=dep.model, at="speculative_algorithm",
+                       draft_model=p.speculative_draft_model_path, model_field="speculative_draft_model_path",
+                       depth=min(steps, drafts), width=min(float(topk), drafts / min(steps, drafts)))
+
     def make_timing(self) -> EngineTiming:
         p = self.params
         return EngineTiming(
             # ESTIMATE: SGLang's Python scheduler spends ~1 ms building a batch and ~0.5 ms processing results
             # per step; with the overlap scheduler (on by default) it runs while the GPU computes the previous
             # batch ('zero-overhead batch scheduler', SGLang v0.4 blog, Dec 2024), so only the excess shows.
-            scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3, overlap=not p.disable_overlap_schedule,
+            # speculative decoding turns the overlap scheduler off (server_args.py: "Overlap scheduler is disabled
+            # because of using eagle speculative decoding")
+            scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3,
+            overlap=not p.disable_overlap_schedule and self.speculation is None,
             seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             cuda_graph_sizes=() if p.disable_cuda_graph else sglang_decode_graph_sizes(self.graph_max_bs),
             # prefill CUDA graphs up to chunked_prefill_size tokens (memory_hook.py prefill max_bs)
@@ -237,6 +277,13 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         res = super().update(out, now)
+        if self.speculation is not None:   # the verify step frees the slots of rejected drafts (page size 1)
+            for req, n in out.scheduled:
+                hold = req.engine_state
+                if n > 1 and hold is not None and req.num_output_tokens > 1:
+                    extra = hold.cached + hold.private - req.num_computed_tokens
+                    if extra > 0:
+                        self.cache.shrink(hold, extra)
         for req in self._prefilled:   # cache_unfinished_req: the computed prompt becomes matchable at once
             if req.status is Status.RUNNING and req.engine_state is not None:
                 self.cache.commit(req.engine_state, req.token_ids[:req.num_computed_tokens])
@@ -410,21 +457,25 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
     def _schedule_decode(self, out: SchedulerOutput) -> None:
         if not self.running:
             return
-        if self.cache.available() < len(self.running):
-            self._retract(out)
+        drafts = self.speculation.num_tokens if self.speculation is not None else 0  # slots per decode: 1 + drafts
+        if self.cache.available() < len(self.running) * (1 + drafts):
+            self._retract(out, 1 + drafts)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        batch = len(self.running)
         for req in self.running:
-            if not self.cache.grow(req.engine_state, 1):
+            n = 1 + self.drafts(req, batch) if drafts else 1
+            if not self.cache.grow(req.engine_state, n):
                 raise RuntimeError("sglang decode allocation failed after retraction")
-            out.scheduled.append((req, 1))
+            out.scheduled.append((req, n))
 
-    def _retract(self, out: SchedulerOutput) -> None:
-        """retract_decode: drop the fewest-output requests (tie: longest prompt) until one decode step fits;
-        one request is kept unless even it cannot fit (real SGLang would fail there)."""
+    def _retract(self, out: SchedulerOutput, slots: int = 1) -> None:
+        """retract_decode: drop the fewest-output requests (tie: longest prompt) until one decode step fits (`slots`
+        per request: its token and its drafts); one request is kept unless even it cannot fit (real SGLang would fail
+        there)."""
         order = sorted(self.running, key=lambda r: (r.num_output_tokens, -r.prompt_len), reverse=True)
         gone = []
-        while len(order) > 1 and (not gone or self.cache.available() < len(order)):
+        while len(order) > 1 and (not gone or self.cache.available() < len(order) * slots):
             gone.append(order.pop())
             self._retract_one(gone[-1], out)
         if self.cache.available() < len(order):

@@ -23,6 +23,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.kvcache.radix import RadixCache, RadixHold
 
 DEFAULT_GENERATION_LENGTH = 1024     # router/src/validation.rs: tokens reserved and generated per queue visit
@@ -44,7 +45,12 @@ class TgiParams(Checked):
     cuda_memory_fraction: MemoryFraction = 1.0      # launcher/src/main.rs
     # launcher/src/main.rs; (0,) disables
     cuda_graphs: tuple[Annotated[int, Range(0, 1_000_000)], ...] = (1, 2, 4, 8, 16, 32)
-    speculate: Annotated[int, Range(0, 64)] = 0     # launcher/src/main.rs --speculate (None = 0)
+    # launcher/src/main.rs --speculate (None = 0): drafts per decode, n-gram speculation for a model without Medusa
+    # or MLP-speculator heads (docs/source/conceptual/speculation.md)
+    speculate: Annotated[int, Range(0, 64)] = 0
+    # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not TGI flags
+    speculate_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
+    speculate_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
     prefix_caching: bool = True                     # env PREFIX_CACHING (launcher resolve_attention; off on paged)
     prefill_chunking: bool = True                   # env PREFILL_CHUNKING (models/globals.py)
     attention: Literal["flashinfer", "flashdecoding", "paged"] = "flashinfer"  # env ATTENTION -> block size
@@ -104,10 +110,19 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         self.batch: list[Request] = []
         self.decode_next = False      # after a mixed/new prefill forward, a decode forward follows
         self.waiting_tokens = 1
-        self.step_token_limit = max(-(-self.mbpt // self.block) * self.block, p.max_concurrent_requests)
+        self.step_token_limit = max(-(-self.mbpt // self.block) * self.block,
+                                    p.max_concurrent_requests * (1 + p.speculate))   # decodes and their drafts
         # with chunking, max_batch_size only bounds the first (idle) batch; later admissions ignore it (backend.rs)
         cap = p.max_batch_size if p.max_batch_size and not p.prefill_chunking else p.max_concurrent_requests
         self.batch_size_limit = min(p.max_concurrent_requests, cap)
+
+    @classmethod
+    def speculation_of(cls, params: TgiParams, dep: Deployment) -> Speculation | None:
+        p = params
+        if not p.speculate:
+            return None
+        knobs = AcceptanceKnobs(acceptance=p.speculate_acceptance, acceptance_dataset=p.speculate_acceptance_dataset)
+        return resolve("ngram", p.speculate, knobs, target=dep.model, at="speculate")
 
     def make_timing(self) -> EngineTiming:
         return EngineTiming(
@@ -218,11 +233,14 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         chunk, budget = max_batch_prefill_tokens - (len(batch) - 1), newest first (flash_causal_lm.py)."""
         budget = self.mbpt - (len(self.batch) - 1)
         out = []
+        speculating = self.speculation is not None
         for req in reversed(self.batch):
             n = req.num_new_tokens
             if n > 1 or req.num_output_tokens == 0:
                 n = min(n, max(budget, 0))
                 budget -= n
+            elif speculating:   # a decode verifies its n-gram drafts
+                n += self.drafts(req, len(self.batch))
             if n > 0:
                 out.append((req, n))
         out.reverse()

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 from bisect import insort
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from simengine.config.loader import (
     BlockTokens,
     Checked,
     MemoryFraction,
     PoolSize,
+    Range,
     Sequences,
     Tokens,
 )
@@ -32,6 +33,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
@@ -39,6 +41,19 @@ from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 CapacityPolicy = Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
 GGML_FORMATS = ("q4_0", "q8_0")
 _OVERLAP_TAIL = "overlap_tail"   # engine_state of a request finished on the GPU, awaiting its extra overlap step
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrtllmSpeculativeConfig(AcceptanceKnobs):
+    """speculative_config (llmapi/llm_args.py: Eagle3DecodingConfig, MTPDecodingConfig, NGramDecodingConfig,
+    DraftTargetDecodingConfig; PyTorch backend) and the simulator's acceptance beside it."""
+
+    decoding_type: Literal["Eagle3", "MTP", "NGram", "DraftTarget"]
+    max_draft_len: Annotated[int, Range(1, 64)] | None = None  # DecodingBaseConfig; required except MTP
+    num_nextn_predict_layers: Annotated[int, Range(1, 64)] = 1  # MTPDecodingConfig: MTP's drafts
+    # DecodingBaseConfig.max_concurrency: speculation off at batch sizes above it (draft_len_schedule); None: always
+    max_concurrency: Annotated[int, Range(1, 1 << 20)] | None = None
+    speculative_model_dir: str | None = None  # DraftTarget's draft model (a catalog name here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +74,7 @@ class TrtllmParams(Checked):
     cuda_graph_config: bool = True  # llm_args.py: CudaGraphConfig() by default; null/false disables graphs
     cuda_graph_max_batch_size: Sequences = 128      # CudaGraphConfig.max_batch_size (0 -> 128)
     cuda_graph_enable_padding: bool = False         # CudaGraphConfig.enable_padding
+    speculative_config: TrtllmSpeculativeConfig | None = None  # BaseLlmArgs.speculative_config (None: off)
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,6 +142,7 @@ class TrtllmEngine(PagedEngine):
         self.policy = p.capacity_scheduler_policy
         self.overlap = not p.disable_overlap_scheduler
         super().__init__(params, dep)
+        dep = self.dep   # with a speculative proposer's weights and KV
         # KV estimation: a profiling forward of max_num_tokens, then free_gpu_memory_fraction of what is left free
         free = (dep.hardware.memory_bytes - dep.weight_bytes_per_device
                 - activation_reserve_bytes(dep, p.max_num_tokens, p.max_batch_size) - NON_TORCH_BYTES)
@@ -140,6 +157,21 @@ class TrtllmEngine(PagedEngine):
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
         self._produced: set[int] = set()   # block keys contexts compute this step (not reusable until done)
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
+
+    @classmethod
+    def speculation_of(cls, params: TrtllmParams, dep: Deployment) -> Speculation | None:
+        c = params.speculative_config
+        if c is None:
+            return None
+        if c.decoding_type == "MTP":
+            k = c.num_nextn_predict_layers
+        elif c.max_draft_len is None:
+            raise InputError(f"{c.decoding_type} needs max_draft_len > 0", field="speculative_config.max_draft_len")
+        else:
+            k = c.max_draft_len
+        method = {"Eagle3": "eagle3", "MTP": "mtp", "NGram": "ngram", "DraftTarget": "draft_model"}[c.decoding_type]
+        return resolve(method, k, c, target=dep.model, at="speculative_config", draft_model=c.speculative_model_dir,
+                       model_field="speculative_model_dir", max_batch=c.max_concurrency)
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -277,16 +309,26 @@ class TrtllmEngine(PagedEngine):
         for r in self.running:  # Request.is_decoding, inline: this runs for every request every step
             (decoding if r.num_output_tokens and r.prompt_len + r.num_output_tokens - r.num_computed_tokens == 1
              else contexts).append(r)
-        fit = max(0, min(len(decoding), budget.slots, budget.tokens))  # take(1) for each until it fails
-        if fit < len(decoding):
-            del decoding[fit:]
-        budget.tokens -= fit
-        budget.slots -= fit
         allocate = self.kv.allocate_slots
-        for req in decoding:  # within their reservation: blocks never short
-            if req.num_computed_tokens + 1 > req.kv_settled_tokens and not allocate(req, 1):
-                raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
-        out.scheduled += [(req, 1) for req in decoding]
+        if self.speculation is None:
+            fit = max(0, min(len(decoding), budget.slots, budget.tokens))  # take(1) for each until it fails
+            if fit < len(decoding):
+                del decoding[fit:]
+            budget.tokens -= fit
+            budget.slots -= fit
+            for req in decoding:  # within their reservation: blocks never short
+                if req.num_computed_tokens + 1 > req.kv_settled_tokens and not allocate(req, 1):
+                    raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
+            out.scheduled += [(req, 1) for req in decoding]
+        else:   # a generation request charges its token and its drafts
+            batch = len(decoding)
+            for req in decoding:
+                n = 1 + self.drafts(req, batch)
+                if not budget.take(n):
+                    break
+                if req.num_computed_tokens + n > req.kv_settled_tokens and not allocate(req, n):
+                    raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
+                out.scheduled.append((req, n))
         for req in contexts:
             n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
             if n <= 0 or not budget.take(charge):
@@ -349,7 +391,10 @@ class TrtllmEngine(PagedEngine):
                 self._unlookup(req, hit)
                 i += 1
                 continue
-            n, charge = (1, 1) if req.is_decoding else self._context_tokens(req, hit, budget.tokens)
+            if req.is_decoding:
+                n = charge = 1 + self.drafts(req, len(self.running)) if self.speculation is not None else 1
+            else:
+                n, charge = self._context_tokens(req, hit, budget.tokens)
             if not started and charge > self.max_num_tokens:   # a paused context grown past the budget
                 self._unlookup(req, hit)
                 self._drop(req, out, "paused request's prompt + generated tokens exceed max_num_tokens "

@@ -21,10 +21,21 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSpeculativeConfig(AcceptanceKnobs):
+    """--speculative-config (vllm/config/speculative.py SpeculativeConfig; the simulator's acceptance beside it)."""
+
+    method: Literal["ngram", "eagle", "eagle3", "mtp", "draft_model"]
+    # drafts per step; None: the draft's n_predict where it has one (an MTP model's MTP layers: 1), else required
+    num_speculative_tokens: Annotated[int, Range(1, 64)] | None = None
+    model: str | None = None   # the draft model of method draft_model (a catalog name here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +57,9 @@ class VllmParams(Checked):
     # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
     # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
     num_scheduler_steps: Annotated[int, Range(1, 1024)] = 1
+    # speculative decoding (engines/speculative.py); V1 keeps no disable_by_batch_size (unused since V0 was removed
+    # in 0.10 and deleted by PR #35060), so drafts run at every batch size
+    speculative_config: VllmSpeculativeConfig | None = None
 
 
 def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:
@@ -96,6 +110,7 @@ class VllmEngine(PagedEngine):
         self.max_num_batched_tokens = params.max_num_batched_tokens or batched
         self.step_token_limit, self.batch_size_limit = self.max_num_batched_tokens, self.max_num_seqs
         super().__init__(params, dep)
+        dep = self.dep   # with a speculative proposer's weights and KV
         p = params
         if p.kv_cache_memory_bytes:
             kv_bytes = float(p.kv_cache_memory_bytes)
@@ -122,7 +137,10 @@ class VllmEngine(PagedEngine):
         self.waiting_heap: list[tuple[int, float, int, Request]] = []
         self.priority = p.scheduling_policy == "priority"
         self.in_flight: set[int] = set()  # requests of batches still in the pipeline (pp > 1) are not rescheduled
-        self.lazy = self.lazy_decode and dep.pp == 1
+        self.lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None  # drafts: per-request steps
+        # KV slots a decode holds past its verified tokens for the drafter (Scheduler.num_lookahead_tokens: the
+        # drafts for eagle and draft models, 0 for ngram)
+        self.lookahead = self.speculation.lookahead_tokens if self.speculation is not None else 0
         self.steps_done = 0                # updates applied: the cohort's clock
         self.last_step_end_s = -1.0
         self.last_out = SchedulerOutput()  # the last step applied
@@ -149,6 +167,20 @@ class VllmEngine(PagedEngine):
         # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
         self.async_finish = p.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
+
+    @classmethod
+    def speculation_of(cls, params: VllmParams, dep: Deployment) -> Speculation | None:
+        c = params.speculative_config
+        if c is None:
+            return None
+        k = c.num_speculative_tokens
+        if k is None:
+            if c.method != "mtp":
+                raise InputError(f"give num_speculative_tokens for method {c.method}",
+                                 field="speculative_config.num_speculative_tokens")
+            k = 1   # the model's num_nextn_predict_layers (DeepSeek-V3: 1)
+        return resolve(c.method, k, c, target=dep.model, at="speculative_config", draft_model=c.model,
+                       lookahead=True)
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -441,6 +473,7 @@ class VllmEngine(PagedEngine):
         allocate = self.kv.allocate_slots
         in_flight = self.in_flight
         schedule = out.scheduled.append
+        speculating = self.speculation is not None
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -449,18 +482,23 @@ class VllmEngine(PagedEngine):
                 continue
             computed = req.num_computed_tokens
             n = req.prompt_len + req.num_output_tokens - computed
+            reserve = 0
+            if speculating and n == 1 and req.num_output_tokens:  # 1 + drafts (num_tokens_with_spec)
+                n += self.drafts(req, len(running))
+                reserve = computed + n + self.lookahead
             if threshold or n > budget:
-                n = self._cap(n, budget, alone)
+                n = self._cap(n, budget, alone)   # drafts that do not fit the budget are dropped
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
-            if computed + n <= req.kv_settled_tokens:  # held blocks take the tokens (allocate_slots' fast path)
+            if computed + n <= req.kv_settled_tokens and reserve <= req.kv_settled_tokens:  # held blocks take
+                # the tokens (allocate_slots' fast path)
                 schedule((req, n))
                 budget -= n
                 i += 1
                 continue
             blocked = False
-            while not allocate(req, n):
+            while not allocate(req, n, reserve_tokens=reserve):
                 victim = self._victim()
                 alone = False
                 if victim is None:  # every other request is in flight: wait for a batch to come back

@@ -158,6 +158,9 @@ class KVCacheManager:
             rid = req.request_id
             hashed = self.req_hashed.get(rid, 0)
             limit = req.private_from  # blocks with a private token stay unpublished (see free)
+            known = req.prompt_len + req.num_output_tokens
+            if end > known:  # speculative drafts: only tokens the request has are cached (vLLM caches up to
+                end = known  # request.num_tokens, without the drafts, whose KV a rejection discards)
             if limit < len(req.token_ids):
                 self.req_end[rid] = end
             full = (end if end < limit else limit) // bs

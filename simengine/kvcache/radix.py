@@ -276,6 +276,11 @@ class RadixCache:
         hold.private += n
         return True
 
+    def shrink(self, hold: RadixHold, n: int) -> None:
+        """Give back `n` of the request's private slots (rejected speculative drafts)."""
+        hold.private -= n
+        self.free(n)
+
     def commit(self, hold: RadixHold, tokens: np.ndarray) -> int:
         """Cache the request's computed tokens (page-aligned), move the lock to the new end and free
         duplicates another request cached first. Returns the newly cached count."""

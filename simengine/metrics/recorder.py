@@ -22,7 +22,7 @@ STEP_FIELDS = (
     ("replica", "q"), ("start_s", "d"), ("end_s", "d"), ("batch_size", "q"), ("prefill_tokens", "q"),
     ("decode_tokens", "q"), ("num_running", "q"), ("num_waiting", "q"), ("kv_usage", "d"), ("preempted", "q"),
     ("step_s", "d"), ("compute_s", "d"), ("memory_s", "d"), ("comm_s", "d"), ("overhead_s", "d"),
-    ("measured_s", "d"), ("cuda_graph", "b"), ("output_tokens", "q"),
+    ("measured_s", "d"), ("cuda_graph", "b"), ("output_tokens", "q"), ("draft_tokens", "q"),
 )
 REQUEST_COLUMNS = tuple(n for n, _ in REQUEST_FIELDS)
 STEP_COLUMNS = tuple(n for n, _ in STEP_FIELDS)

@@ -37,13 +37,14 @@ def trace_events(rec: Recorder, label: str) -> dict:
             cut_s = float(rows["end_s"][-1])
         for r in rows.tolist():   # a record per step: plain Python values for json
             (replica, start, end, batch, prefill, decode, running, waiting, kv, preempted, step_s, compute_s,
-             memory_s, comm_s, overhead_s, measured_s, graph, tokens) = r
+             memory_s, comm_s, overhead_s, measured_s, graph, tokens, drafts) = r
             pid = int(replica) + 1
             replicas.add(pid)
             events.append({"ph": "X", "name": _step_name(prefill, decode), "pid": pid, "tid": 0, "ts": start * _US,
                            "dur": (end - start) * _US,
                            "args": {"batch_size": int(batch), "prefill_tokens": int(prefill),
                                     "decode_tokens": int(decode), "output_tokens": int(tokens),
+                                    "draft_tokens": int(drafts),
                                     "preempted": int(preempted),
                                     "compute_ms": compute_s * 1e3, "memory_ms": memory_s * 1e3,
                                     "comm_ms": comm_s * 1e3, "overhead_ms": overhead_s * 1e3,

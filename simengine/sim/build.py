@@ -3,6 +3,7 @@ deployment, engine and step-time model), with every check that can refuse it mad
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from simengine.config.dtypes import kv_bytes, weight_format
@@ -13,10 +14,11 @@ from simengine.config.scenario import DeploymentConfig, EngineEntry, PoolConfig,
 from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
 from simengine.cost.measured import MeasuredKernels, systems
 from simengine.cost.roofline import DeviceTerms, RooflineKernels
-from simengine.cost.step import CostModel
+from simengine.cost.step import CostModel, Proposer
 from simengine.cost.work import StepWork
 from simengine.engines import ENGINES, EnginePolicy
 from simengine.engines.memory import Deployment
+from simengine.engines.speculative import NGRAM_LOOKUP_S, proposer_model
 from simengine.errors import CannotRun, InputError
 from simengine.sim.links import kv_path, place
 
@@ -83,13 +85,30 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
     work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
                     pp=d.pp, expert_parallel=d.expert_parallel, engine_gemm_flops_s=engine.engine_gemm_flops_s())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
+    gpu = _kernels(work, hw, engine, timing, kernels)
+    proposer = None
+    spec = engine.speculation
+    if spec is not None:
+        draft = proposer_model(spec, d.model)
+        if draft is None:
+            proposer = Proposer(None, NGRAM_LOOKUP_S)
+        else:
+            draft_work = StepWork(draft, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
+                                  tp=d.tp, pp=1, expert_parallel=d.expert_parallel)
+            draft_timing = dataclasses.replace(timing, scheduler_cpu_s=0.0, output_cpu_s=0.0, seq_cpu_s=0.0)
+            proposer = Proposer(CostModel(_kernels(draft_work, hw, engine, draft_timing, kernels), draft_timing),
+                                batched=spec.batched_drafts)
+    return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s, proposer=proposer)
+
+
+def _kernels(work: StepWork, hw, engine: EnginePolicy, timing, kernels: str) -> RooflineKernels:
+    """Measured kernels of the engine's backend where the device has tables and `kernels` is auto, else the
+    roofline at the device's physical terms."""
     terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
-    system, backend = d.hardware.kernel_tables, engine.kernel_backend
+    system, backend = hw.kernel_tables, engine.kernel_backend
     if kernels == "auto" and system and backend and system in systems():
-        gpu = MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
-    else:
-        gpu = RooflineKernels(work, terms)
-    return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s)
+        return MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
+    return RooflineKernels(work, terms)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class Replica:
             start = env.now
             yield env.timeout(c.seconds)
             self._complete(out, c, start, env.now)
-            repeats = engine.repeat_steps(out)
+            repeats = engine.repeat_steps(out) if engine.speculation is None else 0  # drafts: each step its own
             if repeats:  # steps the engine proved identical: no schedule call
                 yield from self._repeat(out, repeats)
         return False
@@ -148,6 +148,7 @@ class Replica:
         rows[:, 10:16] = costs
         rows[:, 16] = shape.cuda_graph
         rows[:, 17] = n             # every scheduled request's token
+        rows[:, 18] = 0             # repeats carry no speculative drafts
         self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
         if self.check:
             engine.check_invariants()
@@ -160,7 +161,8 @@ class Replica:
         self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
                             engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
                             c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, c.measured_s,
-                            shape.cuda_graph, res.num_first_tokens + sum(res.itl_groups.values())),
+                            shape.cuda_graph, res.num_first_tokens + sum(res.itl_groups.values()) + res.num_accepted,
+                            shape.spec_tokens),
                            now, res.itl_groups)
         if self.check:
             engine.check_invariants()
