@@ -102,9 +102,38 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
         summary["pools"] = [pool_section(p, summary["replicas"], res.engines) for p in pools]
     if res.disaggregation is not None:
         summary["disaggregation"] = res.disaggregation
+    offload = offload_section(res.engines, runner.replicas, summary["total_input_tokens"], res.end_s)
+    if offload is not None:
+        summary["kv_offload"] = offload
     return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down,
                         [p.name for p in runner.pool_of], runner.link_spans())
+
+
+def offload_section(engines: list, replicas: list, input_tokens: float, end_s: float) -> dict | None:
+    """KV offload to host memory over the run's replicas: the tier (capacity, blocks stored, loaded back), the prompt
+    tokens loaded from it (also as a share of the completed requests' input tokens), and the loads over the host link
+    (asynchronous ones, vLLM: their queueing and link time; TRT-LLM's onboarding runs inside steps)."""
+    stats = [s for e in engines if (s := e.host_tier_stats()) is not None]
+    if not stats:
+        return None
+    loads = np.array([x for r in replicas for x in r.host_loads], dtype=float).reshape(-1, 3)
+    hit = sum(s["hit_tokens"] for s in stats)
+
+    def ms(col: int) -> dict:
+        v = loads[:, col] * 1e3
+        if not len(v):
+            return {"mean": 0.0, "p99": 0.0}
+        return {"mean": round(float(v.mean()), 4), "p99": round(float(np.percentile(v, 99)), 4)}
+
+    busy = sum(r.host_link.busy_s for r in replicas)
+    return {"capacity_gb": round(sum(s["capacity_blocks"] * s["block_bytes"] for s in stats) / 1e9, 3),
+            "stored_blocks": sum(s["stored_blocks"] for s in stats),
+            "loaded_blocks": sum(s["loaded_blocks"] for s in stats),
+            "loaded_gb": round(sum(s["loaded_blocks"] * s["block_bytes"] for s in stats) / 1e9, 6),
+            "host_hit_tokens": hit, "host_share_of_input": round(hit / input_tokens, 6) if input_tokens else 0.0,
+            "async_loads": len(loads), "load_queue_ms": ms(1), "load_link_ms": ms(2),
+            "host_link_busy_fraction": round(busy / (end_s * len(replicas)), 6) if end_s > 0 else 0.0}
 
 
 def pool_section(pool, replicas: list[dict], engines: list) -> dict:

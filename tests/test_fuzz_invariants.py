@@ -154,6 +154,9 @@ def scenarios(draw, engine: str | None = None):
         if method:
             caps["spec"] = spec_params(engine, method, draw(st.integers(1, 6)),
                                        [draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))])
+    if engine in ("vllm", "trtllm") and draw(st.sampled_from([False, False, True])):   # KV offload to the host
+        gib = draw(st.sampled_from([0.01, 0.2, 8.0]))
+        caps["offload"] = {"kv_offloading_size": gib} if engine == "vllm" else {"host_cache_size": int(gib * 2**30)}
     return engine, data, kv_tokens, caps
 
 
@@ -166,7 +169,7 @@ def build(engine: str, data: dict, kv_tokens: int, caps: dict) -> Scenario:
         key = next((k for k in keys if k in fields), None)
         if key and value is not None:
             params[key] = value
-    params |= caps.get("spec") or {}
+    params |= (caps.get("spec") or {}) | (caps.get("offload") or {})
     entry = EngineEntry(engine=engine, params=params)
     sc = dataclasses.replace(sc, engines=[entry])
     plan_pools(sc, entry)  # refuse impossible knobs (does not fit, ...) as the CLI would

@@ -38,6 +38,15 @@ class NetworkYaml:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostLinkYaml:
+    """The device's link to host memory (KV offload): PCIe, or a coherent chip-to-chip link."""
+
+    name: str
+    bandwidth_gb_s: float                     # achieved host-to-device copy rate of pinned memory, per device
+    latency_us: float                         # one small asynchronous copy, end to end
+
+
+@dataclass(frozen=True, kw_only=True)
 class EfficiencyYaml:
     gemm_fraction: float | dict[str, float]   # one value, or per compute dtype with a `default`
     memory_bandwidth_fraction: float
@@ -58,6 +67,7 @@ class HardwareYaml:
     interconnect: InterconnectYaml
     node_size: int
     network: NetworkYaml | None = None        # across nodes; none: no modelled transfer leaves the node
+    host_link: HostLinkYaml | None = None     # to host memory; none: KV offload to the host is refused
     tdp_w: float | None = None
     price_usd_per_hour: float | None = None
     price_source_date: str | None = None
@@ -98,6 +108,8 @@ class Hardware:
     calibration_priors: dict[str, float] = field(default_factory=dict)
     network_bandwidth_bytes_s: float = 0.0   # per device and direction across nodes (0: none described)
     network_latency_s: float = 0.0
+    host_link_bandwidth_bytes_s: float = 0.0  # host-to-device copies per device (0: none described)
+    host_link_latency_s: float = 0.0
     path: str = ""
 
     def peak(self, dtype: str) -> float:
@@ -131,7 +143,7 @@ CONFIDENCE = ("A", "B", "C")
 _LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops": 100_000.0,
            "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
            "interconnect.custom_allreduce_latency_us": 1e6, "network.bandwidth_gb_s_per_device": 100_000.0,
-           "network.latency_us": 1e6,
+           "network.latency_us": 1e6, "host_link.bandwidth_gb_s": 100_000.0, "host_link.latency_us": 1e6,
            "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0, "sm_count": 10_000.0, "boost_clock_mhz": 10_000.0}
 
 
@@ -193,6 +205,9 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     if y.network is not None:
         _check_range(y.network.bandwidth_gb_s_per_device, "network.bandwidth_gb_s_per_device", src)
         _check_range(y.network.latency_us, "network.latency_us", src, allow_zero=True)
+    if y.host_link is not None:
+        _check_range(y.host_link.bandwidth_gb_s, "host_link.bandwidth_gb_s", src)
+        _check_range(y.host_link.latency_us, "host_link.latency_us", src, allow_zero=True)
     if not 1 <= y.node_size <= 1024:
         raise InputError(f"must be an integer in 1..1024, got {y.node_size}", source=src, field="node_size")
     if y.node_size > 1 and y.interconnect.bandwidth_gb_s_per_direction == 0:
@@ -216,6 +231,8 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         boost_clock_hz=None if y.boost_clock_mhz is None else y.boost_clock_mhz * 1e6,
         network_bandwidth_bytes_s=0.0 if y.network is None else y.network.bandwidth_gb_s_per_device * 1e9,
         network_latency_s=0.0 if y.network is None else y.network.latency_us * 1e-6,
+        host_link_bandwidth_bytes_s=0.0 if y.host_link is None else y.host_link.bandwidth_gb_s * 1e9,
+        host_link_latency_s=0.0 if y.host_link is None else y.host_link.latency_us * 1e-6,
         calibration_priors={k[len("prior_"):]: float(v) for k, v in y.calibration.items()
                             if k.startswith("prior_") and isinstance(v, int | float)})
 

@@ -22,6 +22,7 @@ class BatchShape:
     # (query tokens beside each one's own: the GEMMs and the LM head take them, attention reads the context once)
     num_spec: int = 0
     spec_tokens: int = 0
+    host_load_tokens: int = 0           # KV tokens copied in from host memory before the forward (TRT-LLM onboarding)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -44,6 +45,7 @@ class SchedulerOutput:
     idle_reason: str = ""           # why nothing was scheduled although work is waiting
     released: int = 0               # requests freed after this decision (vLLM async): a retry may admit more
     kv_reserved: list[Request] = field(default_factory=list)  # P/D decode side: blocks reserved for remote KV
+    kv_loads: list[Request] = field(default_factory=list)     # blocks reserved for KV loaded from the host tier
     # the first `num_lazy` scheduled entries are steady decodes (one token each) whose counters the engine
     # advances itself (vLLM's decode cohort); the shared update and make_shape skip them
     num_lazy: int = 0

@@ -126,6 +126,10 @@ class CostModel:
         seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
         if shape.num_spec and self.proposer is not None:
             seconds += self.proposer.seconds(shape)
+        if shape.host_load_tokens:   # onboarding offloaded KV: a copy over the host link before the forward
+            hw = self.work.hw
+            seconds += (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
+                        + hw.host_link_latency_s)
         comm = tok[3]
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 
@@ -133,7 +137,7 @@ class CostModel:
         """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
         decode step), in one numpy pass: one row of StepCost fields per context, bit for bit `step`'s (the same
         operations in the same order; tests/test_cost_model.py)."""
-        if shape.prefill_chunks or shape.num_spec:
+        if shape.prefill_chunks or shape.num_spec or shape.host_load_tokens:
             raise ValueError("decode_steps prices decode-only shapes without drafts")
         num_decode = shape.num_decode
         tok = self.token_parts(shape.padded_decode if shape.padded_decode > num_decode else num_decode)

@@ -140,6 +140,17 @@ class EnginePolicy(ABC):
         self.loading[req.request_id] = req
         out.kv_reserved.append(req)
 
+    def load_from_host(self, req: Request, hit_tokens: int, host_tokens: int, out: SchedulerOutput) -> None:
+        """KV offload: blocks are reserved for `req`'s GPU prefix hit (`hit_tokens`, computed) and the `host_tokens`
+        after it that the host tier holds; the replica copies those over the host link (SchedulerOutput.kv_loads)
+        and calls `remote_kv_arrived` when they are in place."""
+        req.num_computed_tokens = hit_tokens
+        req.remote_kv_tokens = host_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit_tokens + host_tokens
+        self.loading[req.request_id] = req
+        out.kv_loads.append(req)
+
     @staticmethod
     def take_remote_first_token(req: Request, now: float) -> bool:
         """P/D decode side of engines whose prefill server sends its first token with the KV (SGLang, TRT-LLM):
@@ -160,6 +171,10 @@ class EnginePolicy(ABC):
         """P/D decode side: the KV of the request's reserved blocks has arrived at `now`; it may be scheduled (or,
         where the prefill's first token came with it and was its last, it is finished)."""
         raise NotImplementedError(f"{self.name} has no decode role")
+
+    def host_tier_stats(self) -> dict | None:
+        """KV offload to host memory (kvcache/host_tier.py): None for an engine without it."""
+        return None
 
     def prefix_hit_rate(self) -> float:
         queries, hits = self.prefix_cache_tokens()
@@ -350,6 +365,16 @@ class PagedEngine(EnginePolicy):
     def prefix_cache_tokens(self) -> tuple[int, int]:
         return self.kv.query_tokens, self.kv.hit_tokens
 
+    def host_tier_stats(self) -> dict | None:
+        """The KV offload tier's figures (None without one): capacity and blocks held, stored and loaded back,
+        and the prompt tokens found there."""
+        host = self.kv.host
+        if host is None:
+            return None
+        return {"capacity_blocks": host.capacity_blocks, "blocks": len(host), "stored_blocks": host.stored_blocks,
+                "loaded_blocks": host.hit_blocks, "hit_tokens": self.kv.host_hit_tokens,
+                "block_bytes": self.kv.block_size * self.dep.kv_bytes_per_token_per_device}
+
     def release(self, req: Request) -> None:
         self.running.remove(req)
         if req.hold_kv:   # P/D prefill side: the blocks stay until the decode replica has pulled them
@@ -383,6 +408,8 @@ class PagedEngine(EnginePolicy):
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
+        if self.kv.host is not None:
+            self.kv.host.check_invariants()
         held = {b for reqs in (self.running, self.held.values()) for r in reqs
                 for b in self.kv.req_blocks.get(r.request_id, ())}
         assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once

@@ -36,6 +36,7 @@ from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_res
 from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
+from simengine.kvcache.host_tier import host_tier
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 CapacityPolicy = Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
@@ -75,6 +76,9 @@ class TrtllmParams(Checked):
     cuda_graph_max_batch_size: Sequences = 128      # CudaGraphConfig.max_batch_size (0 -> 128)
     cuda_graph_enable_padding: bool = False         # CudaGraphConfig.enable_padding
     speculative_config: TrtllmSpeculativeConfig | None = None  # BaseLlmArgs.speculative_config (None: off)
+    # kv_cache_config.host_cache_size: bytes of host memory per GPU for the secondary block pool (None/0: off);
+    # blocks the GPU pool evicts are offloaded there and onboarded when a prompt reuses them (KvCacheConfig)
+    host_cache_size: Annotated[int, Range(0, 1 << 50)] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -157,6 +161,10 @@ class TrtllmEngine(PagedEngine):
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
         self._produced: set[int] = set()   # block keys contexts compute this step (not reusable until done)
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
+        self.onboarded = 0                    # tokens this step copies in from the host pool
+        if p.host_cache_size:
+            self.kv.attach_host(host_tier(dep, p.host_cache_size, p.tokens_per_block, write_through=False,
+                                          field="host_cache_size", caching=p.enable_block_reuse))
 
     @classmethod
     def speculation_of(cls, params: TrtllmParams, dep: Deployment) -> Speculation | None:
@@ -248,6 +256,7 @@ class TrtllmEngine(PagedEngine):
         if not out.scheduled and self.waiting:
             out.idle_reason = "head request's KV reservation or prompt does not fit yet"
         out.shape = self.make_shape(out.scheduled)
+        out.shape.host_load_tokens, self.onboarded = self.onboarded, 0
         return out
 
     def _reserve_tokens(self, req: Request) -> int:
@@ -347,19 +356,26 @@ class TrtllmEngine(PagedEngine):
         while i < len(self.waiting) and budget.slots > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[i]
             hit = self._lookup(req)
-            key = self._first_new_block(req, hit)
+            # blocks of the prompt past the GPU hit that sit in the secondary (host) pool are onboarded: new blocks,
+            # copied in before this step's forward, and reused as if they had stayed (kv_cache_config.host_cache_size)
+            host = self.kv.host_hit(req, hit) if self.kv.host is not None and not req.num_computed_tokens else 0
+            reused = PrefixHit(hit.blocks, hit.num_tokens + host) if host else hit
+            key = self._first_new_block(req, reused)
             if key is not None and key in keys:   # beneficialToSkip: reuse that block next step instead
                 self._unlookup(req, hit)
                 i += 1
                 continue
             need = self.kv.blocks_for(self._reserve_tokens(req))
-            n, charge = self._context_tokens(req, hit, budget.tokens)
+            n, charge = self._context_tokens(req, reused, budget.tokens)
             if need > avail or n <= 0 or not budget.take(charge):
                 self._unlookup(req, hit)
                 break  # the first request that does not fit stops admission
-            if not self.kv.allocate_slots(req, n, hit):
+            if not self.kv.allocate_slots(req, n, reused):
                 raise RuntimeError(f"trtllm: {req} passed the reservation check but got no blocks")
-            self._admit(req, n, hit, key, keys, now, out)
+            if host:
+                self.kv.take_from_host(host)
+                self.onboarded += host
+            self._admit(req, n, reused, key, keys, now, out)
             avail -= need
 
     def _admit(self, req: Request, n: int, hit: PrefixHit, key: int | None, keys: set[int], now: float,
@@ -484,6 +500,8 @@ class TrtllmEngine(PagedEngine):
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
+        if self.kv.host is not None:
+            self.kv.host.check_invariants()
         assert len(self.running) <= self.max_batch_size
         if self.policy != "MAX_UTILIZATION":
             assert self._available_blocks() >= 0, "GUARANTEED_NO_EVICT reservation exceeds free blocks"

@@ -23,6 +23,7 @@ from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
+from simengine.kvcache.host_tier import host_tier
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
 GIB = 2**30
@@ -60,6 +61,13 @@ class VllmParams(Checked):
     # speculative decoding (engines/speculative.py); V1 keeps no disable_by_batch_size (unused since V0 was removed
     # in 0.10 and deleted by PR #35060), so drafts run at every batch size
     speculative_config: VllmSpeculativeConfig | None = None
+    # KV offload to CPU memory (config/cache.py CacheConfig, since 0.11.1; vllm/config/vllm.py maps it to a KV
+    # connector): GiB in all, summed over the TP x PP ranks; None: off. native (the default from 0.14): the
+    # OffloadingConnector's CPU tier, LRU, storing every computed full block; lmcache: LMCacheConnectorV1, storing
+    # prompt blocks. A prompt continuing a GPU hit in the CPU tier loads those blocks back asynchronously
+    # (WAITING_FOR_REMOTE_KVS) before it runs (docs/engines.md 'KV offload')
+    kv_offloading_size: Annotated[float, Range(0, 1 << 20, above=True)] | None = None
+    kv_offloading_backend: Literal["native", "lmcache"] = "native"
 
 
 def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:
@@ -131,6 +139,13 @@ class VllmEngine(PagedEngine):
                              f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
         self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=p.enable_prefix_caching)
         self.kv.defer_output_publish = self.defer_output_publish
+        if p.kv_offloading_size:
+            # native: cpu_bytes_to_use, the whole size over the TP x PP ranks, every computed block stored;
+            # lmcache: max_local_cpu_size = size / (TP x PP) per worker, prompt blocks only (save_decode_cache off)
+            self.kv.attach_host(host_tier(dep, p.kv_offloading_size * GIB / dep.num_devices, p.block_size,
+                                          write_through=True, field="kv_offloading_size",
+                                          caching=p.enable_prefix_caching,
+                                          prompt_only=p.kv_offloading_backend == "lmcache"))
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -196,8 +211,8 @@ class VllmEngine(PagedEngine):
             custom_allreduce=True)  # ParallelConfig.disable_custom_all_reduce defaults to False (config/parallel.py)
 
     # ---- queues -------------------------------------------------------------------------------------
-    def num_waiting(self) -> int:
-        return len(self.waiting_heap) if self.priority else len(self.waiting)
+    def num_waiting(self) -> int:   # waiting, and those whose KV is on its way (WAITING_FOR_REMOTE_KVS)
+        return (len(self.waiting_heap) if self.priority else len(self.waiting)) + len(self.loading)
 
     def _push_waiting(self, req: Request, front: bool = False) -> None:
         if self.priority:
@@ -560,13 +575,20 @@ class VllmEngine(PagedEngine):
         return scheduled
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        while budget > 0 and self.num_waiting() and len(self.running) < self.max_num_seqs:
+        queue = self.waiting_heap if self.priority else self.waiting
+        while budget > 0 and queue and len(self.running) < self.max_num_seqs:
             req = self._peek_waiting()
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
             if req.remote_kv_tokens:
                 if not self._reserve_remote(req, hit, out):
                     break
                 continue
+            if self.kv.host is not None and not req.num_computed_tokens:
+                host = self.kv.host_hit(req, hit)
+                if host:
+                    if not self._load_from_host(req, hit, host, out):
+                        break
+                    continue
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
             n = self._cap(num_new, budget, self._alone())
             # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission (a check:
@@ -597,11 +619,26 @@ class VllmEngine(PagedEngine):
         return True
 
     def remote_kv_arrived(self, req: Request, now: float) -> None:
-        """Its KV is in its blocks: every prompt token but the last counts as computed, the last is recomputed for
-        the first token's logits, and the request waits at the head of the queue (scheduler.py
-        _update_waiting_for_remote_kv: num_computed_tokens -= 1 when the whole prompt arrived, cache_blocks)."""
+        """Its KV is in its blocks: the loaded tokens count as computed (when the whole prompt arrived, every token but
+        the last: it is recomputed for the first token's logits), and the request waits at the head of the queue
+        (scheduler.py _update_waiting_for_remote_kv: num_computed_tokens -= 1 when the whole prompt arrived,
+        cache_blocks)."""
         del self.loading[req.request_id]
+        req.num_computed_tokens = min(req.num_computed_tokens + req.remote_kv_tokens, req.num_tokens - 1)
         req.remote_kv_tokens = 0
-        req.num_computed_tokens = req.num_tokens - 1
         self.kv.publish_through(req, req.num_computed_tokens)
         self._push_waiting(req, front=True)
+
+    # ---- KV offload to host memory (kv_offloading_size: the OffloadingConnector's CPU tier) ----------------------
+    def _load_from_host(self, req: Request, hit: PrefixHit, host_tokens: int, out: SchedulerOutput) -> bool:
+        """A new request whose prompt continues past the GPU hit in the CPU tier: blocks for the hit and the loaded
+        tokens now, the load asynchronous (the connector's get_num_new_matched_tokens, load_kv_async; the request
+        waits in WAITING_FOR_REMOTE_KVS while others run); the whole prompt must fit, as any admission. False,
+        changing nothing, when the blocks are not free."""
+        if not self.kv.allocate_slots(req, 0, hit, reserve_tokens=hit.num_tokens + host_tokens,
+                                      fits_tokens=req.num_tokens):
+            return False
+        self._pop_waiting()
+        self.kv.take_from_host(host_tokens)
+        self.load_from_host(req, hit.num_tokens, host_tokens, out)
+        return True

@@ -38,6 +38,7 @@ class BlockPool:
         self.head = 0
         self.num_free = num_blocks
         self.stale: dict[int, int] = {}                   # block id -> its stale entries in free_queue
+        self.on_evict = None   # called with the hash of each cached block an allocation evicts (a host tier's store)
 
     @property
     def num_used(self) -> int:
@@ -99,7 +100,7 @@ class BlockPool:
             for b in out:
                 ref_cnt[b] = 1
             return out
-        dups = self.dups
+        dups, on_evict = self.dups, self.on_evict
         for b in out:
             ref_cnt[b] = 1
             h = block_hash[b]
@@ -109,6 +110,8 @@ class BlockPool:
                     self._unmap(h, b)
                 else:
                     del cached[h]
+                    if on_evict is not None:
+                        on_evict(h)
         return out
 
     def uncache(self, b: int) -> None:
@@ -139,8 +142,11 @@ class BlockPool:
         self.num_free -= 1
         b = self._take(1)[0]
         self.ref_cnt[b] = 1
-        if self.block_hash[b] is not None:
+        h = self.block_hash[b]
+        if h is not None:
             self.uncache(b)
+            if self.on_evict is not None and h not in self.cached:
+                self.on_evict(h)
         return b
 
     def touch(self, blocks: list[int]) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from simengine.core.request import Request, Status
 from simengine.kvcache.block_pool import BlockPool
 from simengine.kvcache.hashing import block_hashes
+from simengine.kvcache.host_tier import HostTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class KVCacheManager:
         self.req_end: dict[int, int] = {}        # a request with private tokens: the end of its last allocation
         self.query_tokens = 0                    # prefix-cache queries and hits, in tokens (vLLM metric)
         self.hit_tokens = 0
+        self.host: HostTier | None = None        # a host-memory tier behind the GPU cache (attach_host)
+        self.host_hit_tokens = 0
         # Simulation speed, not an engine mechanism: a block holding one of a request's unique outputs (see
         # Request.unique_outputs) is published at the request's next allocation or release instead of the step that
         # fills it. Nothing can tell: no other request can look that block's hash up, publish it or own it before.
@@ -39,6 +42,34 @@ class KVCacheManager:
         # Likewise, always on: a block holding a private token (Request.private_from: in no other request, ever) is
         # neither hashed nor published, since only its own request could find it, and only after giving its blocks
         # up unfinished (a preemption, free_tail, transfer): then they are published as they would have been.
+
+    def attach_host(self, tier: HostTier) -> None:
+        """Put a host tier behind the prefix cache: it takes every published block (write-through) or the blocks
+        the pool evicts."""
+        if not self.enable_prefix_caching:
+            raise ValueError("a host tier needs the prefix cache")
+        self.host = tier
+        if not tier.write_through:
+            self.pool.on_evict = tier.store
+
+    def host_hit(self, req: Request, hit: PrefixHit) -> int:
+        """Prompt tokens past the GPU hit `hit` that the host tier holds, in whole blocks and one token short of
+        the prompt (as the GPU hit); they become the tier's most recent. `take_from_host` records a load. 0 without
+        a host tier."""
+        host = self.host
+        if host is None:
+            return 0
+        start = len(hit.blocks)
+        last = req.num_tokens - 1
+        stop = (last if last < req.private_from else req.private_from) // self.block_size
+        if stop <= start:
+            return 0
+        return host.match(block_hashes(req, self.block_size)[start:stop]) * self.block_size
+
+    def take_from_host(self, tokens: int) -> None:
+        """`tokens` found by `host_hit` are loaded back (the hit counted)."""
+        self.host.hit_blocks += tokens // self.block_size
+        self.host_hit_tokens += tokens
 
     @property
     def num_blocks(self) -> int:
@@ -173,6 +204,10 @@ class KVCacheManager:
                     self.pool.cache_block(blocks[hashed], hashes[hashed])
                 else:
                     self.pool.cache_blocks(blocks[hashed:last], hashes[hashed:last])
+                host = self.host
+                if host is not None and host.write_through:
+                    stop = min(last, req.prompt_len // bs) if host.prompt_only else last
+                    host.store_many(hashes[hashed:stop])
                 self.req_hashed[rid] = hashed = last
             next_full = (hashed + 1) * bs
             if next_full <= limit and next_full <= settled and not (
@@ -197,6 +232,10 @@ class KVCacheManager:
         hashed = self.req_hashed.pop(req.request_id, 0)
         req.kv_settled_tokens = 0
         full = (req.num_computed_tokens if cached_tokens is None else cached_tokens) // self.block_size
+        host = self.host
+        if host is not None and host.write_through and blocks:   # private full blocks, copied out too, found by nobody
+            stored = min(full, req.prompt_len // self.block_size) if host.prompt_only else full
+            host.store_anonymous(stored - min(hashed, stored))
         if blocks:   # full blocks of computed tokens are cached in vLLM, published here or not (private ones)
             if cached_tokens is not None:
                 for b in blocks[full:hashed]:

@@ -12,6 +12,7 @@ from simengine.core.request import Request
 from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
 from simengine.metrics.recorder import STEP_FIELDS, Recorder
+from simengine.sim.links import Link
 
 REPEAT_WINDOW = 512  # repeats priced per landing check: bounds the work when a long run is cut short often
 
@@ -31,6 +32,10 @@ class Replica:
         # decode engine reserved blocks for, and with each step's output on a layerwise prefill replica
         self.on_kv_reserved: Callable[[list[Request], int], None] | None = None
         self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
+        # KV offload: the link to host memory that loads back offloaded KV, and (tokens, queued s, link s) per load
+        self.host_link = Link(env)
+        self.host_loads: list[tuple[int, float, float]] = []
+        self.stopped = False
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -50,11 +55,32 @@ class Replica:
         self.schedules += 1
         if out.kv_reserved:
             self.on_kv_reserved(out.kv_reserved, self.index)
+        for req in out.kv_loads:
+            self.env.process(self._load_from_host(req))
         if self.on_scheduled is not None and out.scheduled:
             self.on_scheduled(out)
 
+    def _load_from_host(self, req: Request):
+        """Copy a request's offloaded KV back over the replica's host link (each device its own shard, in parallel;
+        loads queue first come, first served), then hand it to the engine."""
+        link, engine, env = self.host_link, self.engine, self.env
+        hw = engine.dep.hardware
+        num_bytes = req.remote_kv_tokens * engine.dep.kv_bytes_per_token_per_device
+        asked = env.now
+        with link.resource.request() as hold:
+            yield hold
+            start = env.now
+            yield env.timeout(num_bytes / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s)
+        link.used(start, env.now, num_bytes)
+        self.host_loads.append((req.remote_kv_tokens, start - asked, env.now - start))
+        if self.stopped or engine.loading.get(req.request_id) is not req:
+            return   # the replica failed meanwhile: the engine and its reservation are gone
+        engine.remote_kv_arrived(req, env.now)
+        self.wake()
+
     def stop(self) -> None:
         """The replica failed: its processes end where they are (a step in flight is lost with the engine)."""
+        self.stopped = True
         if self.process.is_alive:
             self.process.interrupt()
 

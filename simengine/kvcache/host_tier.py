@@ -1,0 +1,95 @@
+"""A second KV tier in host memory: full blocks by content hash, LRU, as the engines' CPU offloading keeps them.
+
+Blocks arrive by write-through (every block the GPU cache publishes is copied out: vLLM's OffloadingConnector,
+SGLang HiCache's write_through) or when the GPU evicts them (TensorRT-LLM's secondary pool). A lookup continues a
+GPU prefix hit block by block; what it finds is loaded back over the host link (the engine decides how: the request
+waits for an asynchronous load, or the step carries the copy). The copies out use the link's other direction while
+the GPU computes, so they cost no time here; the loads back do (sim/replica.py, cost/step.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from simengine.errors import InputError
+
+
+class HostTier:
+    """`capacity_blocks` blocks of host memory holding KV by block hash, least recently used evicted first."""
+
+    def __init__(self, capacity_blocks: int, *, write_through: bool, prompt_only: bool = False):
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.write_through = write_through
+        self.prompt_only = prompt_only   # write-through of prompt blocks only (LMCache without save_decode_cache)
+        self.blocks: OrderedDict[int, None] = OrderedDict()   # block hash -> None, LRU first
+        self.anonymous = 0       # blocks stored that no lookup can find (a request's private tokens): capacity only
+        self.stored_blocks = 0   # blocks copied out
+        self.hit_blocks = 0      # blocks found by lookups (loaded back)
+
+    def __len__(self) -> int:
+        return len(self.blocks) + self.anonymous
+
+    def store(self, block_hash: int) -> None:
+        blocks = self.blocks
+        if block_hash in blocks:
+            blocks.move_to_end(block_hash)
+            return
+        blocks[block_hash] = None
+        self.stored_blocks += 1
+        self._evict()
+
+    def store_many(self, hashes) -> None:
+        for h in hashes:
+            self.store(h)
+
+    def store_anonymous(self, n: int) -> None:
+        """`n` blocks nobody can look up take host capacity (they push older blocks out, oldest anonymous first)."""
+        if n > 0:
+            self.anonymous += n
+            self.stored_blocks += n
+            self._evict()
+
+    def _evict(self) -> None:
+        over = len(self) - self.capacity_blocks
+        if over <= 0:
+            return
+        drop = min(over, self.anonymous)   # anonymous blocks are as old as any: taken first (an approximation)
+        self.anonymous -= drop
+        blocks = self.blocks
+        for _ in range(over - drop):
+            blocks.popitem(last=False)
+
+    def match(self, hashes: list[int]) -> int:
+        """How many of `hashes`, from the first, the tier holds in a row; those become the most recently used (a
+        lookup touches them, as vLLM's get_num_new_matched_tokens does), so stores right after cannot evict them."""
+        n = 0
+        blocks = self.blocks
+        for h in hashes:
+            if h not in blocks:
+                break
+            blocks.move_to_end(h)
+            n += 1
+        return n
+
+    def check_invariants(self) -> None:
+        assert len(self) <= self.capacity_blocks, "host tier over capacity"
+        assert self.anonymous >= 0
+
+
+def host_tier(dep, bytes_per_device: float, block_size: int, *, write_through: bool, field: str,
+              caching: bool = True, prompt_only: bool = False) -> HostTier:
+    """An engine's host tier of `bytes_per_device` per device for blocks of `block_size` tokens of `dep`'s KV;
+    InputError naming the engine's `field` when the device describes no host link, the prefix cache is off, or the
+    tier holds no block."""
+    hw = dep.hardware
+    if not hw.host_link_bandwidth_bytes_s:
+        raise InputError(f"KV offload needs {hw.name}'s link to host memory, which its YAML does not describe; add "
+                         f"host_link: to hardware/{hw.vendor}/{hw.name}.yaml, or drop {field}", field=field)
+    if not caching:
+        raise InputError("KV offload keeps prefix-cache blocks: turn the prefix cache on, or drop it", field=field)
+    blocks = int(bytes_per_device // (block_size * dep.kv_bytes_per_token_per_device))
+    if blocks < 1:
+        raise InputError(f"holds no {block_size}-token KV block of {dep.model.name}; give more memory", field=field)
+    return HostTier(blocks, write_through=write_through, prompt_only=prompt_only)
