@@ -105,6 +105,10 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     offload = offload_section(res.engines, runner.replicas, summary["total_input_tokens"], res.end_s)
     if offload is not None:
         summary["kv_offload"] = offload
+    lora = [s for e in res.engines if (s := e.lora_stats()) is not None]
+    if lora:   # adapter loads summed over the replicas; the slots are each replica's
+        summary["lora"] = {**lora[0], "loads_from_host": sum(s["loads_from_host"] for s in lora),
+                           "loads_from_disk": sum(s["loads_from_disk"] for s in lora)}
     return EngineResult(entry.display, summary, res.recorder, res.end_s, time.perf_counter() - t0,
                         res.engines[0].kv_capacity_tokens(), runner.replicas[0].cost.describe(), res.down,
                         [p.name for p in runner.pool_of], runner.link_spans())

@@ -46,8 +46,8 @@ from simengine.errors import InputError
 from simengine.routers import ROUTERS
 from simengine.sim.build import build_deployment, plan_pools
 from simengine.sim.runner import Runner
-from tests.conftest import SPEC_ENGINES, spec_params
 from tests.fuzz_report import FUZZ
+from tests.speculation import SPEC_ENGINES, spec_params
 
 ENGINE_NAMES = ENGINES.names()
 
@@ -154,6 +154,10 @@ def scenarios(draw, engine: str | None = None):
         if method:
             caps["spec"] = spec_params(engine, method, draw(st.integers(1, 6)),
                                        [draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))])
+    if engine == "vllm" and "pools" not in data and draw(st.sampled_from([False, False, True])):   # multi-LoRA
+        workload["lora"] = {"adapters": draw(st.sampled_from([1, 3, 30])), "ranks": [8, 64],
+                            "fraction": draw(st.sampled_from([0.5, 1.0]))}
+        caps["lora"] = {"enable_lora": True, "max_loras": draw(st.integers(1, 4)), "max_lora_rank": 64}
     if engine in ("vllm", "trtllm") and draw(st.sampled_from([False, False, True])):   # KV offload to the host
         gib = draw(st.sampled_from([0.01, 0.2, 8.0]))
         caps["offload"] = {"kv_offloading_size": gib} if engine == "vllm" else {"host_cache_size": int(gib * 2**30)}
@@ -169,7 +173,7 @@ def build(engine: str, data: dict, kv_tokens: int, caps: dict) -> Scenario:
         key = next((k for k in keys if k in fields), None)
         if key and value is not None:
             params[key] = value
-    params |= (caps.get("spec") or {}) | (caps.get("offload") or {})
+    params |= (caps.get("spec") or {}) | (caps.get("offload") or {}) | (caps.get("lora") or {})
     entry = EngineEntry(engine=engine, params=params)
     sc = dataclasses.replace(sc, engines=[entry])
     plan_pools(sc, entry)  # refuse impossible knobs (does not fit, ...) as the CLI would

@@ -17,7 +17,8 @@ from simengine.core.request import Status
 from simengine.engines.speculative import ACCEPTANCE, Speculation
 from simengine.errors import InputError
 from simengine.sim.build import build_engine, cost_model
-from tests.conftest import SPEC_ENGINES, make_dep, make_request, make_scenario, spec_params
+from tests.conftest import make_dep, make_request, make_scenario
+from tests.speculation import SPEC_ENGINES, spec_params
 
 
 def engine_of(name: str, params: dict, model: str = "llama-3.1-8b"):

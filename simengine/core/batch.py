@@ -23,6 +23,13 @@ class BatchShape:
     num_spec: int = 0
     spec_tokens: int = 0
     host_load_tokens: int = 0           # KV tokens copied in from host memory before the forward (TRT-LLM onboarding)
+    # multi-LoRA (engines/lora.py): distinct adapters in the step and the tokens computed under one, their weights
+    # padded to lora_rank; adapters loaded before the forward, as the sum of their ranks, from host memory or disk
+    lora_adapters: int = 0
+    lora_tokens: int = 0
+    lora_rank: int = 0
+    lora_host_load_ranks: int = 0
+    lora_disk_load_ranks: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:

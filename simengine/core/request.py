@@ -30,12 +30,14 @@ class Request:
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
         "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
         "hash_batch", "unique_outputs", "private_from", "token_times", "hold_kv", "remote_kv_tokens",
+        "lora_id", "lora_rank",
     )
 
     def __init__(self, request_id: int, arrival_s: float, token_ids: np.ndarray, prompt_len: int,
                  output_len: int, *, max_tokens: int | None = None, priority: int = 0,
                  session_id: int = -1, turn: int = 0, slo_class: str = "", structured: bool = False,
-                 unique_outputs: bool = False, private_from: int | None = None):
+                 unique_outputs: bool = False, private_from: int | None = None, lora_id: int = -1,
+                 lora_rank: int = 0):
         if output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {output_len}")
         if len(token_ids) < prompt_len + output_len - 1:
@@ -78,6 +80,8 @@ class Request:
         # schedules the request once they arrived (EnginePolicy.remote_kv_arrived), when it is 0 again
         self.hold_kv = False
         self.remote_kv_tokens = 0
+        self.lora_id = lora_id        # the LoRA adapter it names (-1: the base model) and that adapter's rank
+        self.lora_rank = lora_rank
 
     @property
     def num_tokens(self) -> int:

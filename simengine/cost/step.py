@@ -16,8 +16,16 @@ from typing import NamedTuple
 import numpy as np
 
 from simengine.core.batch import BatchShape
-from simengine.cost.roofline import RooflineKernels
+from simengine.cost.roofline import RooflineKernels, bound
 from simengine.cost.timing import EngineTiming
+from simengine.cost.work import (
+    ADAPTER_BYTES_PER_PARAM,
+    ADAPTER_DISK_BYTES_S,
+    ADAPTER_DISK_LATENCY_S,
+    LORA_KERNELS_PER_MODULE,
+    TARGET_MODULES,
+    lora_params_per_rank,
+)
 
 
 class StepCost(NamedTuple):
@@ -126,6 +134,8 @@ class CostModel:
         seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
         if shape.num_spec and self.proposer is not None:
             seconds += self.proposer.seconds(shape)
+        if shape.lora_adapters:
+            seconds += self.lora_seconds(shape)
         if shape.host_load_tokens:   # onboarding offloaded KV: a copy over the host link before the forward
             hw = self.work.hw
             seconds += (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
@@ -133,11 +143,31 @@ class CostModel:
         comm = tok[3]
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 
+    def lora_seconds(self, shape: BatchShape) -> float:
+        """Multi-LoRA (engines/lora.py): adapters loaded before the forward (from host memory over the host link,
+        from disk first), then the batched LoRA kernels: each distinct adapter's weights read once, every LoRA
+        token's shrink and expand computed, at the padded rank, two kernels per target module and layer."""
+        w, t, hw = self.work, self.kernels.terms, self.work.hw
+        per_rank = lora_params_per_rank(w.model) * ADAPTER_BYTES_PER_PARAM / w.tp   # bytes per device
+        s = 0.0
+        if shape.lora_host_load_ranks:
+            s += shape.lora_host_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
+        if shape.lora_disk_load_ranks:
+            disk = shape.lora_disk_load_ranks * per_rank * w.tp
+            s += disk / ADAPTER_DISK_BYTES_S + ADAPTER_DISK_LATENCY_S
+            s += shape.lora_disk_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
+        flops = 2.0 * shape.lora_tokens * shape.lora_rank * per_rank / ADAPTER_BYTES_PER_PARAM
+        nbytes = shape.lora_adapters * shape.lora_rank * per_rank
+        gpu, _, _ = bound(flops / self.kernels.attn_peak, nbytes / self.kernels.bandwidth, t.g_attn,
+                          t.memory_fraction)
+        kernels = LORA_KERNELS_PER_MODULE * TARGET_MODULES * w.model.num_layers
+        return s + gpu + kernels * t.kernel_floor_s
+
     def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
         """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a
         decode step), in one numpy pass: one row of StepCost fields per context, bit for bit `step`'s (the same
         operations in the same order; tests/test_cost_model.py)."""
-        if shape.prefill_chunks or shape.num_spec or shape.host_load_tokens:
+        if shape.prefill_chunks or shape.num_spec or shape.host_load_tokens or shape.lora_adapters:
             raise ValueError("decode_steps prices decode-only shapes without drafts")
         num_decode = shape.num_decode
         tok = self.token_parts(shape.padded_decode if shape.padded_decode > num_decode else num_decode)

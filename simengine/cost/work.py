@@ -27,6 +27,28 @@ ACT_BYTES = 2.0            # activations are 16-bit in every engine modelled
 GEMM_KERNELS_PER_LAYER = 4     # QKV, O, gate/up, down (MoE layers: the grouped expert GEMMs take the MLP's two)
 ELEMENTWISE_KERNELS_PER_LAYER = 4  # two norms (+ residual adds), the activation, RoPE with the KV write
 
+# Multi-LoRA serving (engines/lora.py)
+ADAPTER_BYTES_PER_PARAM = 2.0   # LoRA weights are 16-bit (vLLM's lora_dtype "auto" follows the model's 16-bit dtype)
+# ESTIMATE: a safetensors adapter read from a local NVMe SSD at ~3 GB/s (PCIe Gen4 x4 drives read 5-7 GB/s
+# sequentially; file open, parse and pinned staging about halve it) plus ~5 ms to open and parse the file
+ADAPTER_DISK_BYTES_S = 3e9
+ADAPTER_DISK_LATENCY_S = 5e-3
+LORA_KERNELS_PER_MODULE = 2     # Punica's shrink (x A) and expand (x B)
+TARGET_MODULES = 4              # qkv_proj, o_proj, gate_up_proj, down_proj (vLLM's packed modules)
+
+
+def lora_params_per_rank(model: ModelSpec) -> int:
+    """Parameters of one rank of an adapter on every target module of every layer: r x (in + out) per module, for
+    the attention projections and the dense MLP (MoE experts carry no LoRA here)."""
+    h, hd = model.hidden_size, model.head_dim
+    qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
+    per_layer = (h + qkv_out) + (model.num_heads * hd + h)
+    if not model.is_moe:
+        per_layer += (h + (2 if model.gated_mlp else 1) * model.intermediate_size) + (model.intermediate_size + h)
+    return per_layer * model.num_layers
+
+
+
 
 class StepWork:
     """Per-device work of one replica of `model` on `tp` x `pp` devices of `hw` (tensor parallel splits every GEMM

@@ -176,6 +176,14 @@ class EnginePolicy(ABC):
         """KV offload to host memory (kvcache/host_tier.py): None for an engine without it."""
         return None
 
+    def serves_lora(self) -> bool:
+        """Whether this engine, as configured, serves LoRA adapters (engines/lora.py)."""
+        return False
+
+    def lora_stats(self) -> dict | None:
+        """Multi-LoRA figures (None without adapters): slots, their memory per device, adapter loads."""
+        return None
+
     def prefix_hit_rate(self) -> float:
         queries, hits = self.prefix_cache_tokens()
         return hits / queries if queries else 0.0

@@ -343,8 +343,8 @@ class LlamaCppEngine(EnginePolicy):
 
     def _plan_iteration(self, out: SchedulerOutput) -> None:
         entries = [(s.req, 1) for s in self.slots if s.req is not None and s.req.num_output_tokens]
-        if self.speculation is not None:   # each generating slot verifies its draft (server-context.cpp)
-            entries = [(r, 1 + self.drafts(r, len(entries))) for r, _ in entries]
+        if self.speculation is not None:   # each generating slot verifies its drafts (server-context.cpp) in a ubatch
+            entries = [(r, 1 + min(self.drafts(r, len(entries)), self.n_ubatch - 1)) for r, _ in entries]
         if self.params.cont_batching or not entries:
             room = self.n_batch - sum(n for _, n in entries)
             for s in self.slots:
@@ -403,7 +403,7 @@ class LlamaCppEngine(EnginePolicy):
         cur: dict[Request, int] = {}
         room = self.n_ubatch
         for req, n in head + tail:
-            if n > room and req.num_computed_tokens + n > req.num_tokens:   # a verify starts a new forward
+            if n > room and cur and req.num_computed_tokens + n > req.num_tokens:   # a verify starts a new forward
                 pieces.append(list(cur.items()))
                 cur, room = {}, self.n_ubatch
             while n:

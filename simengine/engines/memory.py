@@ -30,6 +30,7 @@ class Deployment:
     # a speculative proposer's weights and KV per token beside the target's (engines/speculative.py with_proposer)
     proposer_weight_bytes_per_device: float = 0.0
     proposer_kv_bytes_per_token_per_device: float = 0.0
+    adapter_weight_bytes_per_device: float = 0.0   # LoRA adapter slots an engine reserves (engines/lora.py)
 
     @property
     def num_devices(self) -> int:
@@ -38,7 +39,7 @@ class Deployment:
     @property
     def weight_bytes_per_device(self) -> float:
         return (self.model.total_params * self.weight_format.bytes_per_param / self.num_devices
-                + self.proposer_weight_bytes_per_device)
+                + self.proposer_weight_bytes_per_device + self.adapter_weight_bytes_per_device)
 
     @property
     def kv_bytes_per_token_per_device(self) -> float:

@@ -117,5 +117,9 @@ def block_hashes(req: Request, block_size: int) -> list[int]:
             hashes = batch.take(index, block_size)
         if hashes is None:
             hashes = hash_blocks(req.token_ids, block_size)
+        if req.lora_id >= 0:   # KV computed under a LoRA adapter is its own: the adapter keys its blocks (vLLM's
+            # extra hash keys), so equal tokens under different adapters share nothing
+            salt = (req.lora_id + 1) * 0xD6E8FEB86659FD93
+            hashes = _mix(np.array(hashes, dtype=np.uint64) ^ _U64(salt & (2**64 - 1))).tolist()
         req.block_hashes = hashes
     return hashes

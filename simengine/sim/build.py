@@ -175,6 +175,13 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
         except CannotRun as exc:
             raise CannotRun(f"pool '{p.name}': {exc.message}" if len(pools) > 1 else exc.message,
                             field=exc.field) from None
+        if scenario.workload.lora is not None and not eng.serves_lora():
+            ok = [n for n in ENGINES.names()
+                  if "enable_lora" in {f.name for f in dataclasses.fields(ENGINES.get(n).Params)}]
+            hint = ("set enable_lora: true in its params" if p.entry.engine in ok else
+                    f"engines that model multi-LoRA serving: {', '.join(ok)}")
+            raise CannotRun(f"the workload names LoRA adapters (workload.lora) and {p.entry.engine} does not serve "
+                            f"them as configured; {hint}", field="engines")
         if p.role != "mixed" and p.role not in eng.disaggregation_roles:
             ok = [n for n in ENGINES.names() if p.role in ENGINES.get(n).disaggregation_roles]
             raise CannotRun(f"pool '{p.name}': {p.entry.engine} has no {p.role} role for prefill/decode "

@@ -123,7 +123,8 @@ class Replica:
             start = env.now
             yield env.timeout(c.seconds)
             self._complete(out, c, start, env.now)
-            repeats = engine.repeat_steps(out) if engine.speculation is None else 0  # drafts: each step its own
+            # drafts and adapters: each step its own
+            repeats = engine.repeat_steps(out) if engine.speculation is None and not out.shape.lora_adapters else 0
             if repeats:  # steps the engine proved identical: no schedule call
                 yield from self._repeat(out, repeats)
         return False

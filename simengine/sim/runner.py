@@ -592,5 +592,5 @@ def resend(req: Request) -> Request:
     return Request(req.request_id, req.arrival_s, req.token_ids, req.prompt_len, req.output_len,
                    max_tokens=req.max_tokens, priority=req.priority, session_id=req.session_id, turn=req.turn,
                    slo_class=req.slo_class, structured=req.structured, unique_outputs=req.unique_outputs,
-                   private_from=req.private_from)
+                   private_from=req.private_from, lora_id=req.lora_id, lora_rank=req.lora_rank)
 

@@ -107,6 +107,18 @@ class DocumentPool(Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraAdapters(Checked):
+    """Multi-LoRA traffic: requests name one of `adapters` LoRA adapters of the served model, adapter k (from 0) with
+    probability proportional to 1 / (k + 1)**zipf_s; adapter k has rank ranks[k % len(ranks)]. A share
+    1 - `fraction` of requests uses the base model. A session keeps its adapter (one tenant) for every turn."""
+
+    adapters: Annotated[int, Range(1, 1_000_000)]
+    zipf_s: Annotated[float, Range(0, 100)] = 1.0
+    ranks: list[Annotated[int, Range(1, 1024)]] = field(default_factory=lambda: [16])
+    fraction: Annotated[float, Range(0, 1)] = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkloadConfig(Checked):
     """Requests: open-loop arrivals (or closed-loop users), length distributions, shared prefix, sessions,
     classes, structured output, or a trace."""
@@ -124,6 +136,7 @@ class WorkloadConfig(Checked):
     classes: list[RequestClass] = field(default_factory=list)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     trace: TraceConfig | None = None
+    lora: LoraAdapters | None = None  # multi-LoRA serving: which adapter each request names
 
     def __post_init__(self):
         super().__post_init__()

@@ -34,6 +34,7 @@ class SessionPlan:
     start_offset_s: float
     klass: RequestClass | None
     turn: int = 0
+    lora: tuple[int, int] = (-1, 0)   # the session's LoRA adapter and its rank (every turn names it)
 
 
 class RequestFactory:
@@ -64,6 +65,11 @@ class RequestFactory:
             self.documents = [self.tokens(drng, int(d.tokens.sample_int(drng))) for _ in range(d.count)]
             w = 1.0 / np.arange(1, d.count + 1) ** d.zipf_s
             self._doc_p = w / w.sum()
+        self._lora_p = None
+        if cfg.lora is not None:   # a stream of its own: the other draws are those of the same workload without it
+            self.rng_lora = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(98,)))
+            w = 1.0 / np.arange(1, cfg.lora.adapters + 1) ** cfg.lora.zipf_s
+            self._lora_p = w / w.sum()
         weights = np.array([c.weight for c in cfg.classes], dtype=float)
         self._class_p = weights / weights.sum() if len(weights) else None
         self.next_id = 0
@@ -76,6 +82,14 @@ class RequestFactory:
 
     def tokens(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return rng.integers(0, self.vocab, n, dtype=np.int32)
+
+    def pick_adapter(self, rng: np.random.Generator) -> tuple[int, int]:
+        """(LoRA adapter, its rank) for a request or session; (-1, 0) for the base model."""
+        lora = self.cfg.lora
+        if lora is None or (lora.fraction < 1.0 and rng.uniform() >= lora.fraction):
+            return -1, 0
+        k = int(rng.choice(lora.adapters, p=self._lora_p))
+        return k, lora.ranks[k % len(lora.ranks)]
 
     def pick_class(self, rng: np.random.Generator) -> RequestClass | None:
         if self._class_p is None:
@@ -100,6 +114,8 @@ class RequestFactory:
         token_ids = np.concatenate([head, fresh]) if len(head) else fresh
         structured = bool(self.cfg.structured_output.fraction
                           and rng.uniform() < self.cfg.structured_output.fraction)
+        if self._lora_p is not None and "lora_id" not in kw:
+            kw["lora_id"], kw["lora_rank"] = self.pick_adapter(self.rng_lora)
         return Request(self.new_id(), arrival_s, token_ids, prompt_len, output_len, max_tokens=max_tokens,
                        priority=klass.priority if klass else 0, slo_class=klass.name if klass else "",
                        structured=structured, unique_outputs=True,  # fresh draws; a next turn comes after
@@ -175,7 +191,10 @@ class RequestFactory:
         rng = np.random.default_rng(np.random.SeedSequence(self._session_entropy, spawn_key=(index,)))
         turns = int(s.turns.sample_int(rng))
         offset = float(rng.uniform(0, s.start_spread_s)) if s.start_spread_s else 0.0
-        return SessionPlan(index=index, rng=rng, turns=turns, start_offset_s=offset, klass=self.pick_class(rng))
+        plan = SessionPlan(index=index, rng=rng, turns=turns, start_offset_s=offset, klass=self.pick_class(rng))
+        if self._lora_p is not None:
+            plan.lora = self.pick_adapter(rng)
+        return plan
 
     def session_turn(self, plan: SessionPlan, now: float, previous: Request | None) -> Request:
         """The next turn: previous prompt + previous output + new user/tool tokens."""
@@ -191,7 +210,7 @@ class RequestFactory:
             if s.context_overflow == "truncate":
                 prompt = self._truncate(prompt, n_out)
         return self.make(now, prompt, len(prompt), n_out, cap, rng, plan.klass, private=False,
-                         session_id=plan.index, turn=plan.turn)
+                         session_id=plan.index, turn=plan.turn, lora_id=plan.lora[0], lora_rank=plan.lora[1])
 
     def _truncate(self, prompt: np.ndarray, n_out: int) -> np.ndarray:
         """Drop the oldest conversation tokens after the shared prefix so prompt + output fit the context."""
