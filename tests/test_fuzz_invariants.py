@@ -158,9 +158,10 @@ def scenarios(draw, engine: str | None = None):
         workload["lora"] = {"adapters": draw(st.sampled_from([1, 3, 30])), "ranks": [8, 64],
                             "fraction": draw(st.sampled_from([0.5, 1.0]))}
         caps["lora"] = {"enable_lora": True, "max_loras": draw(st.integers(1, 4)), "max_lora_rank": 64}
-    if engine in ("vllm", "trtllm") and draw(st.sampled_from([False, False, True])):   # KV offload to the host
+    if engine in ("vllm", "trtllm", "sglang") and draw(st.sampled_from([False, False, True])):   # KV offload
         gib = draw(st.sampled_from([0.01, 0.2, 8.0]))
-        caps["offload"] = {"kv_offloading_size": gib} if engine == "vllm" else {"host_cache_size": int(gib * 2**30)}
+        caps["offload"] = {"vllm": {"kv_offloading_size": gib}, "trtllm": {"host_cache_size": int(gib * 2**30)},
+                           "sglang": {"enable_hierarchical_cache": True, "hicache_size": max(1, int(gib))}}[engine]
     return engine, data, kv_tokens, caps
 
 

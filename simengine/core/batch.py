@@ -22,7 +22,8 @@ class BatchShape:
     # (query tokens beside each one's own: the GEMMs and the LM head take them, attention reads the context once)
     num_spec: int = 0
     spec_tokens: int = 0
-    host_load_tokens: int = 0           # KV tokens copied in from host memory before the forward (TRT-LLM onboarding)
+    host_load_tokens: int = 0           # KV tokens copied in from host memory for this step's forward: before it
+    host_load_overlapped: bool = False  # (TRT-LLM onboarding), or layer by layer alongside it (SGLang HiCache)
     # multi-LoRA (engines/lora.py): distinct adapters in the step and the tokens computed under one, their weights
     # padded to lora_rank; adapters loaded before the forward, as the sum of their ranks, from host memory or disk
     lora_adapters: int = 0

@@ -136,10 +136,14 @@ class CostModel:
             seconds += self.proposer.seconds(shape)
         if shape.lora_adapters:
             seconds += self.lora_seconds(shape)
-        if shape.host_load_tokens:   # onboarding offloaded KV: a copy over the host link before the forward
+        if shape.host_load_tokens:   # offloaded KV copied in over the host link
             hw = self.work.hw
-            seconds += (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
-                        + hw.host_link_latency_s)
+            load = (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
+                    + hw.host_link_latency_s)
+            if shape.host_load_overlapped:   # layer by layer: layer i computes once its KV is in, so the step ends
+                seconds = max(seconds, load + seconds / self.model.num_layers)  # at the load plus one layer's work
+            else:                            # before the forward
+                seconds += load
         comm = tok[3]
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 

@@ -31,6 +31,9 @@ from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTim
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.engines.speculative import MTP_MODEL_TYPES, AcceptanceKnobs, Speculation, resolve
+from simengine.errors import InputError
+from simengine.kvcache.hashing import block_hashes
+from simengine.kvcache.host_tier import HostTier, host_tier
 from simengine.kvcache.radix import RadixCache
 
 MIB = 2**20
@@ -42,6 +45,10 @@ CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py SGLANG_CLIP_MAX_NEW_TOK
 NUM_RESERVED_DECODE_TOKENS = 512    # server_args.py num_reserved_decode_tokens: a P/D decode server keeps this many
                                     # tokens per active request free for their decoding (disaggregation/decode.py)
 LPM_QUEUE_LIMIT = 128               # schedule_policy.py _determine_active_policy: lpm -> fcfs above this
+# HiCache: host-tier lookups go in chunks of this many tokens (a simulator granularity: SGLang's host pool pages are
+# the device's, one token with page_size 1), and a host hit under load_back_threshold tokens is recomputed
+HICACHE_CHUNK = 32
+HICACHE_LOAD_BACK_THRESHOLD = 10   # hiradix_cache.py HiRadixCache load_back_threshold
 IN_BATCH_PREFIX_THRESHOLD = 32      # schedule_policy.py IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
 
 
@@ -78,6 +85,12 @@ class SglangParams(Checked):
     speculative_num_steps: Annotated[int, Range(1, 64)] | None = None
     speculative_eagle_topk: Annotated[int, Range(1, 64)] | None = None
     speculative_num_draft_tokens: Annotated[int, Range(2, 256)] | None = None
+    # HiCache (server_args.py; mem_cache/hiradix_cache.py): a host-memory tier behind the radix cache, hicache_ratio
+    # x the device pool (hicache_size GB instead when > 0); write_through copies a node out when it is inserted
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: Annotated[float, Range(0, 1000, above=True)] = 2.0
+    hicache_size: Annotated[int, Range(0, 1 << 20)] = 0
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not SGLang flags
     speculative_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
     speculative_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
@@ -170,6 +183,18 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests * slots) if cps_on else None
         self.batch_size_limit = self.max_running_requests
         self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
+        self.host: HostTier | None = None
+        if p.enable_hierarchical_cache:
+            if p.hicache_write_policy != "write_through":
+                raise InputError(f"{p.hicache_write_policy} is not modelled; use write_through (the default)",
+                                 field="hicache_write_policy")
+            per_token = dep.kv_bytes_per_token_per_device
+            size = p.hicache_size * 1e9 if p.hicache_size else p.hicache_ratio * tokens * per_token
+            self.host = host_tier(dep, size, HICACHE_CHUNK, write_through=True, field="enable_hierarchical_cache",
+                                  caching=not p.disable_radix_cache)
+        self.backed_up: dict[int, int] = {}   # request id -> its chunks copied to the host tier so far
+        self.host_hit_tokens = 0
+        self.onboarded = 0                    # tokens this step loads back from the host tier
         cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
         # without the tree, cache-aware policies fall back to fcfs (_validate_and_adjust_policy)
         self.policy = "fcfs" if cache_aware and p.disable_radix_cache else p.schedule_policy
@@ -184,6 +209,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._entry: dict[int, int] = {}       # request id -> queue-entry sequence (priority tie-break)
         self._seq = 0
         self._prefilled: list[Request] = []
+        self._loading_back: dict[int, int] = {}   # request id -> host tokens its admission loads back
         # P/D decode side: requests waiting for KV slots (DecodePreallocQueue) and arrived (the prebuilt batch the
         # next schedule merges into running); those with slots and KV on its way (DecodeTransferQueue): self.loading
         self.prealloc: list[Request] = []
@@ -257,6 +283,9 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         hold = req.engine_state
         if hold is not None:
             self.cache.commit(hold, req.token_ids[:req.num_computed_tokens])   # cache_finished_req
+            if self.host is not None:
+                self._back_up(req, hold.cached)
+                self.backed_up.pop(req.request_id, None)
             if req.hold_kv:   # P/D prefill side: locked until the decode side has pulled it
                 self.held[req.request_id] = req
             else:
@@ -287,6 +316,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         for req in self._prefilled:   # cache_unfinished_req: the computed prompt becomes matchable at once
             if req.status is Status.RUNNING and req.engine_state is not None:
                 self.cache.commit(req.engine_state, req.token_ids[:req.num_computed_tokens])
+                if self.host is not None:
+                    self._back_up(req, req.engine_state.cached)
         self._prefilled = []
         return res
 
@@ -307,6 +338,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if not out.scheduled:          # everything was retracted: prefill what is left
                 self._schedule_prefill(out, now)
         out.shape = self.make_shape(out.scheduled)
+        if self.onboarded:
+            out.shape.host_load_tokens, out.shape.host_load_overlapped, self.onboarded = self.onboarded, True, 0
         return out
 
     def _reserve(self, req: Request) -> int:
@@ -356,9 +389,10 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def _add_one(self, adder: _Adder, req: Request, admitted: list) -> _Add:
         hold = self.cache.acquire(req.token_ids, req.num_tokens - 1)   # locks the prefix (_lock_node)
-        extend = req.num_tokens - hold.cached
+        host = self._host_hit(req, hold.cached) if self.host is not None else 0
+        extend = req.num_tokens - hold.cached - host
         page = self.cache.page
-        total = extend + self._reserve(req) + page
+        total = extend + host + self._reserve(req) + page
         if total >= self._rem_total(adder):
             self.cache.release(hold)
             return _Add.NO_TOKEN
@@ -374,10 +408,40 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 self.cache.release(hold)
                 return _Add.OTHER
         req.engine_state = hold
-        req.num_computed_tokens = hold.cached
+        req.num_computed_tokens = hold.cached + host
         self._charge(adder, n, reserve)
+        if host:   # load_back: device slots for the host tokens, copied in layer by layer during the forward
+            adder.offset += host
+            self._loading_back[req.request_id] = host
         admitted.append((req, n))
         return self._budget_state(adder)
+
+    # ---- HiCache ------------------------------------------------------------------------------------------------
+    def _host_hit(self, req: Request, cached: int) -> int:
+        """Tokens past the device hit (`cached`) that the host tier holds, to one token short of the prompt; none
+        below the load_back threshold (hiradix_cache.py load_back_threshold = 10)."""
+        start, stop = cached // HICACHE_CHUNK, (req.num_tokens - 1) // HICACHE_CHUNK
+        if stop <= start:
+            return 0
+        found = self.host.match(block_hashes(req, HICACHE_CHUNK)[start:stop])
+        tokens = (start + found) * HICACHE_CHUNK - cached if found else 0
+        return tokens if tokens >= HICACHE_LOAD_BACK_THRESHOLD else 0
+
+    def _back_up(self, req: Request, cached: int) -> None:
+        """write_through: the chunks of the request's tokens now in the radix tree are copied to the host tier."""
+        done = self.backed_up.get(req.request_id, 0)
+        upto = cached // HICACHE_CHUNK
+        if upto > done:
+            self.host.store_many(block_hashes(req, HICACHE_CHUNK)[done:upto])
+            self.backed_up[req.request_id] = upto
+
+    def host_tier_stats(self) -> dict | None:
+        host = self.host
+        if host is None:
+            return None
+        return {"capacity_blocks": host.capacity_blocks, "blocks": len(host), "stored_blocks": host.stored_blocks,
+                "loaded_blocks": host.hit_blocks, "hit_tokens": self.host_hit_tokens,
+                "block_bytes": HICACHE_CHUNK * self.dep.kv_bytes_per_token_per_device}
 
     def _charge(self, adder: _Adder, n: int, reserve: int) -> None:
         adder.offset += n + reserve
@@ -398,11 +462,16 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         cache, taken = self.cache, set()
         for req, n in admitted:
             hold = req.engine_state
-            if not cache.grow(hold, n):     # cannot happen while the adder's accounting holds; be safe
+            host = self._loading_back.pop(req.request_id, 0)
+            if not cache.grow(hold, n + host):     # cannot happen while the adder's accounting holds; be safe
                 if req is not self.chunked:
                     cache.release(hold)
                     req.engine_state, req.num_computed_tokens = None, 0
                 continue
+            if host:
+                self.onboarded += host
+                self.host_hit_tokens += host
+                self.host.hit_blocks += -(-host // HICACHE_CHUNK)
             if req is not self.chunked:
                 taken.add(id(req))
                 cache.record_lookup(req.num_tokens, hold.cached)
@@ -549,6 +618,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         holders = (self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
                    + list(self.loading.values()) + self.prebuilt)
         assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"
