@@ -115,7 +115,8 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
 
 
 def offload_section(engines: list, replicas: list, input_tokens: float, end_s: float) -> dict | None:
-    """KV offload to host memory over the run's replicas: the tier (capacity, blocks stored, loaded back), the prompt
+    """KV offload over the run's replicas: the host tier (capacity, blocks stored, loaded back; the disk tier's capacity
+    and loads where there is one), the prompt
     tokens loaded from it (also as a share of the completed requests' input tokens), and the loads over the host link
     (asynchronous ones, vLLM: their queueing and link time; TRT-LLM's onboarding runs inside steps)."""
     stats = [s for e in engines if (s := e.host_tier_stats()) is not None]
@@ -135,6 +136,8 @@ def offload_section(engines: list, replicas: list, input_tokens: float, end_s: f
             "stored_blocks": sum(s["stored_blocks"] for s in stats),
             "loaded_blocks": sum(s["loaded_blocks"] for s in stats),
             "loaded_gb": round(sum(s["loaded_blocks"] * s["block_bytes"] for s in stats) / 1e9, 6),
+            "disk_capacity_gb": round(sum(s.get("disk_capacity_blocks", 0) * s["block_bytes"] for s in stats) / 1e9, 3),
+            "disk_loaded_gb": round(sum(s.get("disk_loaded_blocks", 0) * s["block_bytes"] for s in stats) / 1e9, 6),
             "host_hit_tokens": hit, "host_share_of_input": round(hit / input_tokens, 6) if input_tokens else 0.0,
             "async_loads": len(loads), "load_queue_ms": ms(1), "load_link_ms": ms(2),
             "host_link_busy_fraction": round(busy / (end_s * len(replicas)), 6) if end_s > 0 else 0.0}

@@ -115,6 +115,38 @@ def test_an_offloaded_prefix_loads_in_bytes_over_the_host_link_plus_its_latency(
                                        + hw.host_link_latency_s, rel=1e-12)
 
 
+def test_a_third_tier_on_disk_serves_what_host_memory_evicted_at_the_disk_s_cost():
+    """vLLM with LMCache: a host tier of about one prompt, a local disk behind it; the prompts evicted from host memory
+    come back from disk, each load read from disk first, then over the host link."""
+    params = {"kv_cache_memory_bytes": 2000 * 131072, "kv_offloading_size": 0.25, "kv_offloading_backend": "lmcache",
+              "lmcache_max_local_disk_size": 4.0}
+    eng = engine_of("vllm", params)
+    reqs = shared_prompts(4, 1500)
+    seconds = []   # (tokens loaded, of them from disk, load seconds), priced before each load lands
+    arrived = eng.remote_kv_arrived
+
+    def priced_then_arrived(req, now):
+        disk = eng.disk_loads.get(req.request_id, 0)
+        seconds.append((req.remote_kv_tokens, disk, eng.host_load_seconds(req)))
+        arrived(req, now)
+
+    eng.remote_kv_arrived = priced_then_arrived
+    drive(eng, reqs)
+    stats = eng.host_tier_stats()
+    assert stats["disk_loaded_blocks"] > 0 and all(r.num_cached_tokens >= 1400 for r in reqs[4:])
+    hw, per = eng.dep.hardware, eng.dep.kv_bytes_per_token_per_device
+    from simengine.kvcache.host_tier import DISK_READ_BYTES_S, DISK_READ_LATENCY_S
+    assert any(disk for _, disk, _ in seconds)
+    for tokens, disk, s in seconds:
+        want = tokens * per / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
+        if disk:
+            want += disk * per / DISK_READ_BYTES_S + DISK_READ_LATENCY_S
+        assert s == pytest.approx(want)
+    with pytest.raises(InputError) as exc:
+        engine_of("vllm", {"kv_offloading_size": 1.0, "lmcache_max_local_disk_size": 4.0})
+    assert exc.value.field == "lmcache_max_local_disk_size"
+
+
 def test_trtllm_onboarding_adds_its_copy_to_the_step():
     eng = engine_of("trtllm", OFFLOAD["trtllm"])
     outs = drive(eng, shared_prompts(2, 1500))

@@ -17,6 +17,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation, with_proposer
+from simengine.kvcache.host_tier import DISK_READ_BYTES_S, DISK_READ_LATENCY_S
 from simengine.kvcache.manager import KVCacheManager
 from simengine.kvcache.radix import RadixCache
 from simengine.registry import Registry
@@ -67,6 +68,7 @@ class EnginePolicy(ABC):
         self.num_preemptions = 0
         self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled
         self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, the remote KV on its way
+        self.disk_loads: dict[int, int] = {}   # KV offload: request id -> tokens of its load read from disk first
         # speculative decoding where the engine's params switch it on (engines/speculative.py): a decoding request
         # is scheduled with 1 + drafts tokens, and update keeps the accepted ones
         self.speculation: Speculation | None = self.speculation_of(params, dep)
@@ -140,16 +142,29 @@ class EnginePolicy(ABC):
         self.loading[req.request_id] = req
         out.kv_reserved.append(req)
 
-    def load_from_host(self, req: Request, hit_tokens: int, host_tokens: int, out: SchedulerOutput) -> None:
+    def load_from_host(self, req: Request, hit_tokens: int, host_tokens: int, out: SchedulerOutput,
+                       disk_tokens: int = 0) -> None:
         """KV offload: blocks are reserved for `req`'s GPU prefix hit (`hit_tokens`, computed) and the `host_tokens`
-        after it that the host tier holds; the replica copies those over the host link (SchedulerOutput.kv_loads)
-        and calls `remote_kv_arrived` when they are in place."""
+        after it that the host tiers hold (`disk_tokens` of them on disk); the replica copies those over the host link
+        (SchedulerOutput.kv_loads; `host_load_seconds`) and calls `remote_kv_arrived` when they are in place."""
         req.num_computed_tokens = hit_tokens
         req.remote_kv_tokens = host_tokens
+        if disk_tokens:
+            self.disk_loads[req.request_id] = disk_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit_tokens + host_tokens
         self.loading[req.request_id] = req
         out.kv_loads.append(req)
+
+    def host_load_seconds(self, req: Request) -> float:
+        """Time to load a request's offloaded KV (`load_from_host`) on an idle link: its disk part read first, then
+        all of it over the host link (each device its own shard, in parallel)."""
+        hw, per_token = self.dep.hardware, self.dep.kv_bytes_per_token_per_device
+        seconds = req.remote_kv_tokens * per_token / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
+        disk = self.disk_loads.pop(req.request_id, 0)
+        if disk:
+            seconds += disk * per_token / DISK_READ_BYTES_S + DISK_READ_LATENCY_S
+        return seconds
 
     @staticmethod
     def take_remote_first_token(req: Request, now: float) -> bool:
@@ -379,9 +394,12 @@ class PagedEngine(EnginePolicy):
         host = self.kv.host
         if host is None:
             return None
+        disk = host.spill
         return {"capacity_blocks": host.capacity_blocks, "blocks": len(host), "stored_blocks": host.stored_blocks,
                 "loaded_blocks": host.hit_blocks, "hit_tokens": self.kv.host_hit_tokens,
-                "block_bytes": self.kv.block_size * self.dep.kv_bytes_per_token_per_device}
+                "block_bytes": self.kv.block_size * self.dep.kv_bytes_per_token_per_device,
+                "disk_capacity_blocks": disk.capacity_blocks if disk else 0,
+                "disk_loaded_blocks": disk.hit_blocks if disk else 0}
 
     def release(self, req: Request) -> None:
         self.running.remove(req)

@@ -358,7 +358,7 @@ class TrtllmEngine(PagedEngine):
             hit = self._lookup(req)
             # blocks of the prompt past the GPU hit that sit in the secondary (host) pool are onboarded: new blocks,
             # copied in before this step's forward, and reused as if they had stayed (kv_cache_config.host_cache_size)
-            host = self.kv.host_hit(req, hit) if self.kv.host is not None and not req.num_computed_tokens else 0
+            host = sum(self.kv.host_hit(req, hit)) if self.kv.host is not None and not req.num_computed_tokens else 0
             reused = PrefixHit(hit.blocks, hit.num_tokens + host) if host else hit
             key = self._first_new_block(req, reused)
             if key is not None and key in keys:   # beneficialToSkip: reuse that block next step instead

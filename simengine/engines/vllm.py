@@ -70,6 +70,9 @@ class VllmParams(Checked):
     # (WAITING_FOR_REMOTE_KVS) before it runs (docs/engines.md 'KV offload')
     kv_offloading_size: Annotated[float, Range(0, 1 << 20, above=True)] | None = None
     kv_offloading_backend: Literal["native", "lmcache"] = "native"
+    # LMCache's local disk tier (lmcache/v1/config.py max_local_disk_size, env LMCACHE_MAX_LOCAL_DISK_SIZE, GiB per
+    # worker; local_disk set): what the CPU tier evicts goes to disk, and is read back from there
+    lmcache_max_local_disk_size: Annotated[float, Range(0, 1 << 30)] = 0.0
     # multi-LoRA serving (config/lora.py LoRAConfig; engines/lora.py): adapters active at once, the rank their slots
     # are sized for, and adapters cached in host memory (None: max_loras)
     enable_lora: bool = False
@@ -162,6 +165,12 @@ class VllmEngine(PagedEngine):
                                           write_through=True, field="kv_offloading_size",
                                           caching=p.enable_prefix_caching,
                                           prompt_only=p.kv_offloading_backend == "lmcache"))
+        if p.lmcache_max_local_disk_size:
+            if p.kv_offloading_backend != "lmcache" or self.kv.host is None:
+                raise InputError("a local disk tier is LMCache's: set kv_offloading_backend: lmcache and "
+                                 "kv_offloading_size", field="lmcache_max_local_disk_size")
+            self.kv.host.spill = host_tier(dep, p.lmcache_max_local_disk_size * GIB, p.block_size,
+                                           write_through=False, field="lmcache_max_local_disk_size")
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -641,9 +650,9 @@ class VllmEngine(PagedEngine):
                     break
                 continue
             if self.kv.host is not None and not req.num_computed_tokens:
-                host = self.kv.host_hit(req, hit)
-                if host:
-                    if not self._load_from_host(req, hit, host, out):
+                host, disk = self.kv.host_hit(req, hit)
+                if host + disk:
+                    if not self._load_from_host(req, hit, host + disk, disk, out):
                         break
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
@@ -689,7 +698,8 @@ class VllmEngine(PagedEngine):
         self._push_waiting(req, front=True)
 
     # ---- KV offload to host memory (kv_offloading_size: the OffloadingConnector's CPU tier) ----------------------
-    def _load_from_host(self, req: Request, hit: PrefixHit, host_tokens: int, out: SchedulerOutput) -> bool:
+    def _load_from_host(self, req: Request, hit: PrefixHit, host_tokens: int, disk_tokens: int,
+                        out: SchedulerOutput) -> bool:
         """A new request whose prompt continues past the GPU hit in the CPU tier: blocks for the hit and the loaded
         tokens now, the load asynchronous (the connector's get_num_new_matched_tokens, load_kv_async; the request
         waits in WAITING_FOR_REMOTE_KVS while others run); the whole prompt must fit, as any admission. False,
@@ -698,6 +708,6 @@ class VllmEngine(PagedEngine):
                                       fits_tokens=req.num_tokens):
             return False
         self._pop_waiting()
-        self.kv.take_from_host(host_tokens)
-        self.load_from_host(req, hit.num_tokens, host_tokens, out)
+        self.kv.take_from_host(host_tokens, disk_tokens)
+        self.load_from_host(req, hit.num_tokens, host_tokens, out, disk_tokens)
         return True

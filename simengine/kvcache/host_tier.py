@@ -1,10 +1,12 @@
-"""A second KV tier in host memory: full blocks by content hash, LRU, as the engines' CPU offloading keeps them.
+"""KV tiers behind the GPU: host memory, and local disk behind it, full blocks by content hash, LRU each.
 
 Blocks arrive by write-through (every block the GPU cache publishes is copied out: vLLM's OffloadingConnector,
 SGLang HiCache's write_through) or when the GPU evicts them (TensorRT-LLM's secondary pool). A lookup continues a
 GPU prefix hit block by block; what it finds is loaded back over the host link (the engine decides how: the request
 waits for an asynchronous load, or the step carries the copy). The copies out use the link's other direction while
-the GPU computes, so they cost no time here; the loads back do (sim/replica.py, cost/step.py).
+the GPU computes, so they cost no time here; the loads back do (sim/replica.py, cost/step.py). A third tier on local
+disk (LMCache's local_disk) takes what the host tier evicts; a lookup continues there after the host tier, and what
+it finds is read from disk before it crosses the host link.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class HostTier:
         self.anonymous = 0       # blocks stored that no lookup can find (a request's private tokens): capacity only
         self.stored_blocks = 0   # blocks copied out
         self.hit_blocks = 0      # blocks found by lookups (loaded back)
+        self.spill: HostTier | None = None   # the tier behind (disk): takes what this one evicts
 
     def __len__(self) -> int:
         return len(self.blocks) + self.anonymous
@@ -57,9 +60,13 @@ class HostTier:
             return
         drop = min(over, self.anonymous)   # anonymous blocks are as old as any: taken first (an approximation)
         self.anonymous -= drop
-        blocks = self.blocks
+        blocks, spill = self.blocks, self.spill
+        if spill is not None:
+            spill.store_anonymous(drop)
         for _ in range(over - drop):
-            blocks.popitem(last=False)
+            h, _ = blocks.popitem(last=False)
+            if spill is not None:
+                spill.store(h)
 
     def match(self, hashes: list[int]) -> int:
         """How many of `hashes`, from the first, the tier holds in a row; those become the most recently used (a
@@ -73,9 +80,24 @@ class HostTier:
             n += 1
         return n
 
+    def match_tiers(self, hashes: list[int]) -> tuple[int, int]:
+        """(blocks found here, blocks found behind, on disk), in a row from the first of `hashes`."""
+        here = self.match(hashes)
+        behind = self.spill.match(hashes[here:]) if self.spill is not None and here < len(hashes) else 0
+        return here, behind
+
     def check_invariants(self) -> None:
         assert len(self) <= self.capacity_blocks, "host tier over capacity"
         assert self.anonymous >= 0
+        if self.spill is not None:
+            self.spill.check_invariants()
+
+
+# ESTIMATE: a local NVMe SSD reads KV chunks at ~5 GB/s per GPU's share of the node's drives (a PCIe Gen4 x4 data-
+# center drive reads 6.8-7 GB/s sequentially, e.g. Samsung PM9A3's datasheet; file-system and staging overheads) and
+# ~100 us a read (NVMe read latency 70-100 us)
+DISK_READ_BYTES_S = 5e9
+DISK_READ_LATENCY_S = 100e-6
 
 
 def host_tier(dep, bytes_per_device: float, block_size: int, *, write_through: bool, field: str,

@@ -52,23 +52,26 @@ class KVCacheManager:
         if not tier.write_through:
             self.pool.on_evict = tier.store
 
-    def host_hit(self, req: Request, hit: PrefixHit) -> int:
-        """Prompt tokens past the GPU hit `hit` that the host tier holds, in whole blocks and one token short of
-        the prompt (as the GPU hit); they become the tier's most recent. `take_from_host` records a load. 0 without
-        a host tier."""
+    def host_hit(self, req: Request, hit: PrefixHit) -> tuple[int, int]:
+        """Prompt tokens past the GPU hit `hit` that the host tier holds, and after them those its disk tier holds,
+        in whole blocks and one token short of the prompt (as the GPU hit); they become the tiers' most recent.
+        `take_from_host` records a load. (0, 0) without a host tier."""
         host = self.host
         if host is None:
-            return 0
+            return 0, 0
         start = len(hit.blocks)
         last = req.num_tokens - 1
         stop = (last if last < req.private_from else req.private_from) // self.block_size
         if stop <= start:
-            return 0
-        return host.match(block_hashes(req, self.block_size)[start:stop]) * self.block_size
+            return 0, 0
+        here, behind = host.match_tiers(block_hashes(req, self.block_size)[start:stop])
+        return here * self.block_size, behind * self.block_size
 
-    def take_from_host(self, tokens: int) -> None:
-        """`tokens` found by `host_hit` are loaded back (the hit counted)."""
-        self.host.hit_blocks += tokens // self.block_size
+    def take_from_host(self, tokens: int, disk_tokens: int = 0) -> None:
+        """`tokens` found by `host_hit` (`disk_tokens` of them on disk) are loaded back (the hit counted)."""
+        self.host.hit_blocks += (tokens - disk_tokens) // self.block_size
+        if disk_tokens:
+            self.host.spill.hit_blocks += disk_tokens // self.block_size
         self.host_hit_tokens += tokens
 
     @property

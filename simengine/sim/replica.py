@@ -64,13 +64,12 @@ class Replica:
         """Copy a request's offloaded KV back over the replica's host link (each device its own shard, in parallel;
         loads queue first come, first served), then hand it to the engine."""
         link, engine, env = self.host_link, self.engine, self.env
-        hw = engine.dep.hardware
         num_bytes = req.remote_kv_tokens * engine.dep.kv_bytes_per_token_per_device
         asked = env.now
         with link.resource.request() as hold:
             yield hold
             start = env.now
-            yield env.timeout(num_bytes / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s)
+            yield env.timeout(engine.host_load_seconds(req))
         link.used(start, env.now, num_bytes)
         self.host_loads.append((req.remote_kv_tokens, start - asked, env.now - start))
         if self.stopped or engine.loading.get(req.request_id) is not req:
