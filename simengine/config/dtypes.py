@@ -36,7 +36,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat("int8", 1.0, "int8", fallback_compute="fp16", lm_head_bytes=2.0,
                          source="W8A8 SmoothQuant on int8 tensor cores; W8A16 dequantises where no int8 path"),
     # AWQ/GPTQ W4A16, group size 128 with an fp16 scale (+ packed zero) per group: ~2 bytes / 128 weights
-    # (../shared/reference/cost-model.md 'Memory'); dequantised to fp16 and computed in fp16.
+    # (AutoAWQ/GPTQ packing: 4-bit weights, fp16 scale and zero per 128-weight group); dequantised to fp16 and computed
+    # in fp16.
     "int4": WeightFormat("int4", 0.5 + 2.0 / 128, "fp16", source="AWQ/GPTQ W4A16 g128", lm_head_bytes=2.0),
     # llama.cpp block formats (ggml-common.h): q4_0 = 32 weights in 18 bytes, q8_0 = 32 weights in 34 bytes.
     "q4_0": WeightFormat("q4_0", 18 / 32, "fp16", source="ggml block_q4_0: fp16 scale + 16 bytes per 32",

@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO_ROOT / "hardware"
 
 # HBM/unified capacities are marketed in GiB-sized units; CUDA reports ~99.5% of that as total
-# (H100 80 GB -> 81559 MiB; H200 141 GB -> 143771 MiB; ../shared/reference/hardware.md 'Units').
+# (nvidia-smi's memory.total: H100 80 GB -> 81559 MiB; H200 141 GB -> 143771 MiB).
 USABLE_FRACTION_OF_MARKETED = 0.995
 COMPUTE_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4", "fp4")
 

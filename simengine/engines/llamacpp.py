@@ -1,4 +1,4 @@
-"""llama.cpp server (tools/server/server-context.cpp, master 001d906) as read in ../shared/reference/engines.md §7.
+"""llama.cpp server (ggml-org/llama.cpp tools/server/server-context.cpp, master 001d906).
 
 Fixed slots (-np; auto 4 with one unified KV of n_ctx cells). A task takes the idle slot whose cached tokens share
 the longest prefix with its prompt (more than slot_prompt_similarity of it), else the least recently used one, else

@@ -1,4 +1,4 @@
-"""MLC-LLM serve engine (cpp/serve, main) as read in ../shared/reference/engines.md §6 and the MLC sources below.
+"""MLC-LLM serve engine (mlc-ai/mlc-llm cpp/serve, main), from the MLC sources named below.
 
 Each step tries NewRequestPrefill, then BatchDecode, and runs the first that processes anything: prefill has
 priority (engine_actions/action_commons.cc). Admission walks the waiting queue FCFS while the inputs fit

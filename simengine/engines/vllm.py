@@ -1,4 +1,4 @@
-"""vLLM V1 scheduler (vllm/v1/core/sched/scheduler.py, 0.33.0) as read in ../shared/reference/engines.md §1.
+"""vLLM V1 scheduler (vllm-project/vllm vllm/v1/core/sched/scheduler.py, tag v0.33.0).
 
 Running requests first in admission order, then waiting ones into the leftover token budget; decodes and
 prefill chunks share one budget (chunked prefill always on); admission needs blocks for the whole prompt;

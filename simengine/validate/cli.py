@@ -27,7 +27,7 @@ def _count(text: str) -> int:
 def add_subcommands(subparsers) -> None:
     """Register validate, calibrate and profile on an argparse subparsers object."""
     v = subparsers.add_parser("validate", help="predict published measurements and report the error per row")
-    v.add_argument("file", help="measurements CSV (schema: ../shared/data/validation/README.md)")
+    v.add_argument("file", help="measurements CSV (schema: docs/validation.md 'Measurement files')")
     v.add_argument("--out", default="results/validation", help="folder for validation.csv, skipped.csv and the plot")
     v.add_argument("--jobs", type=_count, default=2, help="worker processes (default 2)")
     v.add_argument("--quiet", action="store_true", help="print only the summary tables, not every row")
@@ -36,7 +36,7 @@ def add_subcommands(subparsers) -> None:
     v.set_defaults(handler=cmd_validate)
     c = subparsers.add_parser("calibrate", help="fit the named efficiency and overhead terms to measurements")
     c.add_argument("files", nargs="+", metavar="file", help="measurements CSVs (schema: "
-                   "../shared/data/validation/README.md), fitted together")
+                   "docs/validation.md 'Measurement files'), fitted together")
     c.add_argument("--test", action="append", default=[], metavar="FILE",
                    help="also report the error on another measurements file with the fitted terms (repeatable)")
     c.add_argument("--write", action="store_true",

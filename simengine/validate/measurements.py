@@ -1,4 +1,4 @@
-"""Read published measurements (../shared/data/validation/README.md schema) into typed rows.
+"""Read published measurements (docs/validation.md 'Measurement files') into typed rows.
 
 The file is plain comma-separated text with a fixed 17-column header and no quoting (the schema guarantees no
 field holds a comma). Every problem is an InputError naming the file, the line and the column.
@@ -18,7 +18,7 @@ COLUMNS = ("id", "source", "engine", "model", "weight_dtype", "kv_dtype", "hardw
            "input_len", "output_len", "num_requests", "arrival", "metric", "value", "notes")
 RATE_METRICS = ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput")
 STEP_METRICS = ("prefill_ms", "decode_step_ms", "prefill_tok_s", "decode_tok_s")
-# Latency statistics as `vllm bench serve` names them (../shared/reference/metrics.md): STAT_QUANTITY_ms
+# Latency statistics as `vllm bench serve` names them (vllm/benchmarks/serve.py): STAT_QUANTITY_ms
 LATENCY_STATS = ("mean", "median", "p90", "p99")
 LATENCY_QUANTITIES = ("ttft", "tpot", "itl", "e2el")
 LATENCY_METRICS = tuple(f"{s}_{q}_ms" for q in LATENCY_QUANTITIES for s in LATENCY_STATS)
