@@ -154,10 +154,12 @@ def scenarios(draw, engine: str | None = None):
         if method:
             caps["spec"] = spec_params(engine, method, draw(st.integers(1, 6)),
                                        [draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))])
-    if engine == "vllm" and "pools" not in data and draw(st.sampled_from([False, False, True])):   # multi-LoRA
-        workload["lora"] = {"adapters": draw(st.sampled_from([1, 3, 30])), "ranks": [8, 64],
+    if engine in ("vllm", "sglang") and "pools" not in data and draw(st.sampled_from([False, False, True])):
+        workload["lora"] = {"adapters": draw(st.sampled_from([1, 3, 30])), "ranks": [8, 64],   # multi-LoRA
                             "fraction": draw(st.sampled_from([0.5, 1.0]))}
-        caps["lora"] = {"enable_lora": True, "max_loras": draw(st.integers(1, 4)), "max_lora_rank": 64}
+        slots = draw(st.integers(1, 4))
+        caps["lora"] = {"enable_lora": True, "max_lora_rank": 64,
+                        **({"max_loras": slots} if engine == "vllm" else {"max_loras_per_batch": slots})}
     if engine in ("vllm", "trtllm", "sglang") and draw(st.sampled_from([False, False, True])):   # KV offload
         gib = draw(st.sampled_from([0.01, 0.2, 8.0]))
         caps["offload"] = {"vllm": {"kv_offloading_size": gib}, "trtllm": {"host_cache_size": int(gib * 2**30)},

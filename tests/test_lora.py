@@ -1,7 +1,8 @@
-"""Multi-LoRA serving (engines/lora.py) in vLLM: the workload names adapters with a Zipf popularity; the adapter
-slots' memory comes out of the KV pool; a step whose adapter is not active waits for its load (from disk the first
-time, then from the host cache); at most max_loras adapters run at once, a waiting request of a further adapter is
-passed by others; KV computed under different adapters is never shared; requests are conserved."""
+"""Multi-LoRA serving (engines/lora.py) in vLLM and SGLang: the workload names adapters with a Zipf popularity; the
+adapter slots' memory comes out of the KV pool; a step whose adapter is not active waits for its load (from disk the
+first time, then from the host cache; SGLang's preloaded adapters from host memory only); at most max_loras adapters
+run at once, a waiting request of a further adapter is passed by others; KV computed under different adapters is
+never shared; requests are conserved."""
 
 from __future__ import annotations
 
@@ -26,10 +27,15 @@ from simengine.workload.generator import RequestFactory
 from tests.conftest import make_dep, make_request, make_scenario
 
 LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 64}
+SGLANG_LORA = {"enable_lora": True, "max_loras_per_batch": 2, "max_lora_rank": 64}
 
 
 def vllm(**params):
     return build_engine(EngineEntry(engine="vllm", params=LORA | params), make_dep())
+
+
+def sglang(**params):
+    return build_engine(EngineEntry(engine="sglang", params=SGLANG_LORA | params), make_dep())
 
 
 def drive(eng, reqs, dt: float = 0.01):
@@ -38,7 +44,7 @@ def drive(eng, reqs, dt: float = 0.01):
     outs, now = [], 0.0
     while eng.has_work():
         out = eng.schedule(now)
-        assert len({r.lora_id for r, _ in out.scheduled if r.lora_id >= 0}) <= eng.params.max_loras
+        assert len({r.lora_id for r, _ in out.scheduled if r.lora_id >= 0}) <= eng.adapters.max_loras
         now += dt
         eng.update(out, now)
         eng.check_invariants()
@@ -47,9 +53,10 @@ def drive(eng, reqs, dt: float = 0.01):
     return outs
 
 
-def test_the_adapter_slots_come_out_of_the_kv_pool():
-    plain = build_engine(EngineEntry(engine="vllm", params={}), make_dep())
-    eng = vllm(max_loras=8)
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_adapter_slots_come_out_of_the_kv_pool(engine):
+    plain = build_engine(EngineEntry(engine=engine, params={}), make_dep())
+    eng = vllm(max_loras=8) if engine == "vllm" else sglang(max_loras_per_batch=8)
     dep = eng.dep
     slot_bytes = 8 * 64 * lora_params_per_rank(dep.model) * ADAPTER_BYTES_PER_PARAM
     assert dep.adapter_weight_bytes_per_device == slot_bytes
@@ -81,8 +88,9 @@ def test_a_step_waits_for_an_adapter_that_is_not_active():
     assert outs[0].shape.lora_host_load_ranks == 16 and outs[0].shape.lora_disk_load_ranks == 0
 
 
-def test_at_most_max_loras_adapters_run_and_others_pass_a_waiting_one():
-    eng = vllm(max_loras=1)
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_at_most_max_loras_adapters_run_and_others_pass_a_waiting_one(engine):
+    eng = vllm(max_loras=1) if engine == "vllm" else sglang(max_loras_per_batch=1)
     a = make_request(64, 30, lora_id=1, lora_rank=8)
     b = make_request(64, 5, lora_id=2, lora_rank=8)
     base = make_request(64, 5)
@@ -92,15 +100,33 @@ def test_at_most_max_loras_adapters_run_and_others_pass_a_waiting_one():
     assert b.first_scheduled_s >= a.finish_s - 0.011       # b runs once a's adapter leaves the batch
 
 
-def test_kv_under_different_adapters_is_not_shared():
-    eng = vllm()
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_kv_under_different_adapters_is_not_shared(engine):
+    eng = vllm() if engine == "vllm" else sglang()
     tokens = np.arange(512)
     drive(eng, [make_request(512, 2, tokens=tokens, lora_id=1, lora_rank=8)])
     other = make_request(512, 2, tokens=tokens, lora_id=2, lora_rank=8)
     same = make_request(512, 2, tokens=tokens, lora_id=1, lora_rank=8)
+    base = make_request(512, 2, tokens=tokens)
     drive(eng, [other])
+    drive(eng, [base])
     drive(eng, [same])
-    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 496
+    assert other.num_cached_tokens == base.num_cached_tokens == 0
+    assert same.num_cached_tokens == (496 if engine == "vllm" else 511)   # full blocks / every token but the last
+
+
+def test_sglang_adapters_preloaded_in_host_memory_never_come_from_disk():
+    eng = sglang(max_loras_per_batch=1)
+    outs = []
+    for a in (1, 2, 1):
+        outs += drive(eng, [make_request(64, 2, lora_id=a, lora_rank=16)])
+    assert sum(o.shape.lora_host_load_ranks for o in outs) == 3 * 16
+    assert not any(o.shape.lora_disk_load_ranks for o in outs)
+    eng = sglang(max_loras_per_batch=1, max_loaded_loras=1)   # one adapter on the host: the others from disk
+    outs = []
+    for a in (1, 2, 1):
+        outs += drive(eng, [make_request(64, 2, lora_id=a, lora_rank=16)])
+    assert sum(o.shape.lora_disk_load_ranks for o in outs) == 3 * 16
 
 
 def test_the_workload_draws_adapters_by_popularity_and_a_session_keeps_its_own():
@@ -124,21 +150,27 @@ def test_the_workload_draws_adapters_by_popularity_and_a_session_keeps_its_own()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(max_loras=st.integers(1, 4), max_cpu=st.integers(0, 4),
+@given(engine=st.sampled_from(["vllm", "sglang"]), max_loras=st.integers(1, 4), max_cpu=st.integers(0, 4),
        reqs=st.lists(st.tuples(st.integers(-1, 6), st.integers(1, 900), st.integers(1, 40)), min_size=1, max_size=14),
        small=st.booleans())
-def test_requests_are_conserved_with_any_adapters(max_loras, max_cpu, reqs, small):
-    params = {"max_loras": max_loras, "max_cpu_loras": max_loras + max_cpu}
-    if small:
-        params["kv_cache_memory_bytes"] = 1500 * 131072
-    eng = vllm(**params)
+def test_requests_are_conserved_with_any_adapters(engine, max_loras, max_cpu, reqs, small):
+    if engine == "vllm":
+        params = {"max_loras": max_loras, "max_cpu_loras": max_loras + max_cpu}
+        if small:
+            params["kv_cache_memory_bytes"] = 1500 * 131072
+        eng = vllm(**params)
+    else:
+        params = {"max_loras_per_batch": max_loras, "max_loaded_loras": max_loras + max_cpu}
+        if small:
+            params["max_total_tokens"] = 1500
+        eng = sglang(**params)
     drive(eng, [make_request(p, o, lora_id=a, lora_rank=16 if a >= 0 else 0) for a, p, o in reqs])
 
 
 def test_lora_settings_that_cannot_work_are_refused():
     wl = {"arrival": {"process": "poisson", "rate": 2.0}, "num_requests": 5, "lora": {"adapters": 3}}
-    for engine, params, match in (("sglang", {}, "engines that model multi-LoRA serving: vllm"),
-                                  ("vllm", {}, "set enable_lora: true")):
+    for engine, params, match in (("tgi", {}, "engines that model multi-LoRA serving: sglang, vllm"),
+                                  ("vllm", {}, "set enable_lora: true"), ("sglang", {}, "set enable_lora: true")):
         sc = make_scenario(workload=wl, engines=[{"engine": engine, "params": params}])
         with pytest.raises(CannotRun, match=match):
             plan_pools(sc, sc.engines[0])
@@ -148,6 +180,9 @@ def test_lora_settings_that_cannot_work_are_refused():
     eng = vllm(max_lora_rank=16)
     req = make_request(10, 2, lora_id=1, lora_rank=64)
     assert not eng.add_request(req, 0.0) and "max_lora_rank" in req.fail_reason
+    with pytest.raises(InputError) as exc:
+        build_engine(EngineEntry(engine="sglang", params={"enable_lora": True}), make_dep())
+    assert exc.value.field == "max_lora_rank"
 
 
 def test_more_adapter_slots_cut_ttft_in_the_tenants_scenario():

@@ -15,6 +15,7 @@ from typing import ClassVar
 from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
+from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation, with_proposer
 from simengine.kvcache.host_tier import DISK_READ_BYTES_S, DISK_READ_LATENCY_S
@@ -69,6 +70,7 @@ class EnginePolicy(ABC):
         self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled
         self.loading: dict[int, Request] = {}  # P/D decode side: blocks reserved, the remote KV on its way
         self.disk_loads: dict[int, int] = {}   # KV offload: request id -> tokens of its load read from disk first
+        self.adapters: AdapterSlots | None = None   # multi-LoRA serving where the engine's params turn it on
         # speculative decoding where the engine's params switch it on (engines/speculative.py): a decoding request
         # is scheduled with 1 + drafts tokens, and update keeps the accepted ones
         self.speculation: Speculation | None = self.speculation_of(params, dep)
@@ -193,11 +195,22 @@ class EnginePolicy(ABC):
 
     def serves_lora(self) -> bool:
         """Whether this engine, as configured, serves LoRA adapters (engines/lora.py)."""
-        return False
+        return self.adapters is not None
 
     def lora_stats(self) -> dict | None:
         """Multi-LoRA figures (None without adapters): slots, their memory per device, adapter loads."""
-        return None
+        a = self.adapters
+        return None if a is None else a.stats(self.dep.adapter_weight_bytes_per_device)
+
+    def check_adapter(self, req: Request, switch: str) -> bool:
+        """Refuse a request naming a LoRA adapter the engine does not serve (`switch`: the knob that turns adapters
+        on); the API server answers it before the engine sees it."""
+        if req.lora_id < 0:
+            return True
+        if self.adapters is None:
+            return self.reject(req, f"names LoRA adapter {req.lora_id} but {switch} is off")
+        why = self.adapters.refusal(req)
+        return self.reject(req, why) if why else True
 
     def prefix_hit_rate(self) -> float:
         queries, hits = self.prefix_cache_tokens()

@@ -18,16 +18,39 @@ from collections import OrderedDict
 
 from simengine.cost.work import ADAPTER_BYTES_PER_PARAM, lora_params_per_rank
 
-__all__ = ["ADAPTER_BYTES_PER_PARAM", "AdapterSlots", "lora_params_per_rank"]
+__all__ = ["AdapterSlots", "lora_params_per_rank"]
 
 class AdapterSlots:
-    """The GPU's `max_loras` active adapters and the host's `max_cpu_loras` cached ones, each LRU."""
+    """The GPU's `max_loras` active adapters at `max_rank` and the host's `max_cpu_loras` cached ones, each LRU. An
+    adapter neither active nor cached is read from disk first, unless the engine `preloaded` every adapter into host
+    memory at start (SGLang's --lora-paths without max_loaded_loras)."""
 
-    def __init__(self, max_loras: int, max_cpu_loras: int):
-        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+    def __init__(self, max_loras: int, max_cpu_loras: int, max_rank: int, *, preloaded: bool = False):
+        self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
+        self.preloaded = preloaded
         self.gpu: OrderedDict[int, None] = OrderedDict()
         self.cpu: OrderedDict[int, None] = OrderedDict()
         self.loads_from_host = self.loads_from_disk = 0
+
+    def slot_bytes_per_device(self, model, tp: int) -> float:
+        """GPU memory the slots take on each device (allocated at start, so out of the KV pool)."""
+        return self.max_loras * self.max_rank * lora_params_per_rank(model) * ADAPTER_BYTES_PER_PARAM / tp
+
+    def refusal(self, req) -> str:
+        """Why the engine turns a request's adapter away ('' when it serves it)."""
+        if req.lora_rank > self.max_rank:
+            return f"LoRA adapter {req.lora_id} of rank {req.lora_rank} exceeds max_lora_rank {self.max_rank}"
+        return ""
+
+    def admits(self, loras: set[int], req) -> bool:
+        """Whether `req` may join a step whose adapters are `loras` (adding its own when it may): its adapter is
+        already there, or a slot is left."""
+        if req.lora_id < 0 or req.lora_id in loras:
+            return True
+        if len(loras) >= self.max_loras:
+            return False
+        loras.add(req.lora_id)
+        return True
 
     def activate(self, adapters: set[int]) -> tuple[list[int], list[int]]:
         """Make the step's adapters (at most max_loras) active: (loaded from the host cache, read from disk)."""
@@ -40,7 +63,8 @@ class AdapterSlots:
                 evict = next(x for x in self.gpu if x not in adapters)
                 del self.gpu[evict]
             self.gpu[a] = None
-            if a in self.cpu:
+            if a in self.cpu or self.preloaded:
+                self.cpu[a] = None
                 self.cpu.move_to_end(a)
                 host.append(a)
             else:
@@ -51,3 +75,19 @@ class AdapterSlots:
         self.loads_from_host += len(host)
         self.loads_from_disk += len(disk)
         return host, disk
+
+    def shape_step(self, scheduled, shape) -> None:
+        """Activate the adapters of a step's requests and put its LoRA work in its shape."""
+        ranks = {r.lora_id: r.lora_rank for r, _ in scheduled if r.lora_id >= 0}
+        if not ranks:
+            return
+        host, disk = self.activate(set(ranks))
+        shape.lora_adapters, shape.lora_rank = len(ranks), self.max_rank
+        shape.lora_tokens = sum(n for r, n in scheduled if r.lora_id >= 0)
+        shape.lora_host_load_ranks = sum(ranks[a] for a in host)
+        shape.lora_disk_load_ranks = sum(ranks[a] for a in disk)
+
+    def stats(self, slot_bytes_per_device: float) -> dict:
+        return {"max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
+                "slots_gb_per_device": round(slot_bytes_per_device / 1e9, 4),
+                "loads_from_host": self.loads_from_host, "loads_from_disk": self.loads_from_disk}

@@ -11,6 +11,7 @@ prompts are inserted as prefill progresses, whole sequences at finish; LRU evict
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Literal
@@ -29,12 +30,13 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
+from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.engines.speculative import MTP_MODEL_TYPES, AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.host_tier import HostTier, host_tier
-from simengine.kvcache.radix import RadixCache
+from simengine.kvcache.radix import RadixCache, radix_tokens
 
 MIB = 2**20
 INIT_NEW_TOKEN_RATIO = 0.7          # environ.py SGLANG_INIT_NEW_TOKEN_RATIO (x schedule_conservativeness)
@@ -91,6 +93,13 @@ class SglangParams(Checked):
     hicache_ratio: Annotated[float, Range(0, 1000, above=True)] = 2.0
     hicache_size: Annotated[int, Range(0, 1 << 20)] = 0
     hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    # multi-LoRA serving (server_args.py; docs/advanced_features/lora.md): adapters per batch (their GPU pool),
+    # adapters held in host memory (None: every adapter, loaded at start from --lora-paths), and the rank the pool is
+    # sized for (SGLang infers it from --lora-paths; here it must be given)
+    enable_lora: bool = False
+    max_loras_per_batch: Annotated[int, Range(1, 1024)] = 8
+    max_loaded_loras: Annotated[int, Range(1, 1 << 20)] | None = None
+    max_lora_rank: Annotated[int, Range(1, 1024)] | None = None
     # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not SGLang flags
     speculative_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
     speculative_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
@@ -168,6 +177,17 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.mem_fraction = p.mem_fraction_static or sglang_mem_fraction_static(dep, act_tokens, self.graph_max_bs)
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
+        if p.enable_lora:   # the LoRA memory pool of max_loras_per_batch adapters at max_lora_rank, out of the KV pool
+            if p.max_lora_rank is None:
+                raise InputError("give the rank the LoRA pool is sized for (SGLang infers it from --lora-paths)",
+                                 field="max_lora_rank")
+            if p.max_loaded_loras is not None and p.max_loaded_loras < p.max_loras_per_batch:
+                raise InputError(f"must be >= max_loras_per_batch ({p.max_loras_per_batch}), got "
+                                 f"{p.max_loaded_loras}", field="max_loaded_loras")
+            self.adapters = AdapterSlots(p.max_loras_per_batch, p.max_loaded_loras or (1 << 30), p.max_lora_rank,
+                                         preloaded=p.max_loaded_loras is None)
+            dep = self.dep = dataclasses.replace(
+                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
         kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
         tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sglang",
                                      rule=f"mem_fraction_static={self.mem_fraction} of total memory")
@@ -273,6 +293,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             # tokenizer_manager validation: input + max_new_tokens must fit the context (HTTP 400)
             return self.reject(req, f"prompt {req.prompt_len} + max_tokens {req.max_tokens} exceeds the "
                                     f"max request length {self.max_model_len} (context/KV pool)")
+        if not self.check_adapter(req, "enable_lora"):
+            return False
         if req.remote_kv_tokens:
             self.prealloc.append(req)
             return True
@@ -282,7 +304,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
     def release(self, req: Request) -> None:
         hold = req.engine_state
         if hold is not None:
-            self.cache.commit(hold, req.token_ids[:req.num_computed_tokens])   # cache_finished_req
+            self.cache.commit(hold, radix_tokens(req)[:req.num_computed_tokens])   # cache_finished_req
             if self.host is not None:
                 self._back_up(req, hold.cached)
                 self.backed_up.pop(req.request_id, None)
@@ -315,7 +337,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                         self.cache.shrink(hold, extra)
         for req in self._prefilled:   # cache_unfinished_req: the computed prompt becomes matchable at once
             if req.status is Status.RUNNING and req.engine_state is not None:
-                self.cache.commit(req.engine_state, req.token_ids[:req.num_computed_tokens])
+                self.cache.commit(req.engine_state, radix_tokens(req)[:req.num_computed_tokens])
                 if self.host is not None:
                     self._back_up(req, req.engine_state.cached)
         self._prefilled = []
@@ -338,6 +360,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if not out.scheduled:          # everything was retracted: prefill what is left
                 self._schedule_prefill(out, now)
         out.shape = self.make_shape(out.scheduled)
+        if self.adapters is not None:
+            self.adapters.shape_step(out.scheduled, out.shape)
         if self.onboarded:
             out.shape.host_load_tokens, out.shape.host_load_overlapped, self.onboarded = self.onboarded, True, 0
         return out
@@ -359,10 +383,15 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         admitted: list[tuple[Request, int]] = []
         if self.chunked is not None:
             self._add_chunked(adder, admitted)
+        # max_loras_per_batch: a request whose adapter would be one too many is skipped (_can_schedule_lora_req)
+        loras = ({r.lora_id for r in (*self.running, *([self.chunked] if self.chunked else ())) if r.lora_id >= 0}
+                 if self.adapters is not None else None)
         for req in self.waiting:
             if len(self.running) + adder.count >= self.max_running_requests:
                 self.batch_is_full = True
                 break
+            if loras is not None and not self.adapters.admits(loras, req):
+                continue
             res = self._add_one(adder, req, admitted)
             if res is not _Add.CONTINUE:
                 self.batch_is_full = self.batch_is_full or res is _Add.NO_TOKEN
@@ -388,7 +417,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         admitted.append((req, n))
 
     def _add_one(self, adder: _Adder, req: Request, admitted: list) -> _Add:
-        hold = self.cache.acquire(req.token_ids, req.num_tokens - 1)   # locks the prefix (_lock_node)
+        hold = self.cache.acquire(radix_tokens(req), req.num_tokens - 1)   # locks the prefix (_lock_node)
         host = self._host_hit(req, hold.cached) if self.host is not None else 0
         extend = req.num_tokens - hold.cached - host
         page = self.cache.page
@@ -503,7 +532,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         elif self.policy == "lpm" and len(q) <= LPM_QUEUE_LIMIT:
             self._sort_lpm(q)
         elif self.policy == "dfs-weight":
-            nodes = [self.cache.match_prefix(r.token_ids, r.num_tokens - 1)[1] for r in q]
+            nodes = [self.cache.match_prefix(radix_tokens(r), r.num_tokens - 1)[1] for r in q]
             self.waiting = [q[i] for i in self.cache.dfs_weight_order(nodes)]
 
     def _sort_lpm(self, q: list[Request]) -> None:
@@ -512,10 +541,11 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         in_batch = RadixCache(1 << 62)
         matched: dict[int, float] = {}
         for r in q:
-            m = self.cache.match_prefix(r.token_ids, r.num_tokens - 1)[0]
+            key = radix_tokens(r)
+            m = self.cache.match_prefix(key, r.num_tokens - 1)[0]
             matched[id(r)] = -m
             if m <= IN_BATCH_PREFIX_THRESHOLD:
-                tokens = r.token_ids[:r.num_tokens]
+                tokens = key[:r.num_tokens]
                 if in_batch.match_prefix(tokens)[0] >= IN_BATCH_PREFIX_THRESHOLD:
                     matched[id(r)] = float("inf")
                 else:

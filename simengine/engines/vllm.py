@@ -21,7 +21,7 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
-from simengine.engines.lora import ADAPTER_BYTES_PER_PARAM, AdapterSlots, lora_params_per_rank
+from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
@@ -131,14 +131,13 @@ class VllmEngine(PagedEngine):
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
         p = params
-        self.adapters: AdapterSlots | None = None
         if p.enable_lora:   # the stacked LoRA weights of max_loras slots at max_lora_rank come out of the KV pool
             if p.max_cpu_loras is not None and p.max_cpu_loras < p.max_loras:
                 raise InputError(f"must be >= max_loras ({p.max_loras}), got {p.max_cpu_loras}",
                                  field="max_cpu_loras")
-            self.adapters = AdapterSlots(p.max_loras, p.max_cpu_loras or p.max_loras)
-            dep = self.dep = dataclasses.replace(dep, adapter_weight_bytes_per_device=(
-                p.max_loras * p.max_lora_rank * lora_params_per_rank(dep.model) * ADAPTER_BYTES_PER_PARAM / dep.tp))
+            self.adapters = AdapterSlots(p.max_loras, p.max_cpu_loras or p.max_loras, p.max_lora_rank)
+            dep = self.dep = dataclasses.replace(
+                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
         if p.kv_cache_memory_bytes:
             kv_bytes = float(p.kv_cache_memory_bytes)
             rule = "kv_cache_memory_bytes"
@@ -257,12 +256,8 @@ class VllmEngine(PagedEngine):
     def add_request(self, req: Request, now: float) -> bool:
         if not self.check_length(req):
             return False
-        if req.lora_id >= 0:   # the API server answers 400/404 before the engine sees it
-            if self.adapters is None:
-                return self.reject(req, f"names LoRA adapter {req.lora_id} but enable_lora is off")
-            if req.lora_rank > self.params.max_lora_rank:
-                return self.reject(req, f"LoRA adapter {req.lora_id} of rank {req.lora_rank} exceeds max_lora_rank "
-                                        f"{self.params.max_lora_rank}")
+        if not self.check_adapter(req, "enable_lora"):
+            return False
         self._push_waiting(req)
         return True
 
@@ -287,7 +282,7 @@ class VllmEngine(PagedEngine):
         else:
             out.shape = self.make_shape(out.scheduled)
         if self.adapters is not None:
-            self._activate_adapters(out)
+            self.adapters.shape_step(out.scheduled, out.shape)
         if self.params.num_scheduler_steps > 1:   # a decode-only step starts a run of num_scheduler_steps
             self.multi_step_left = (self.multi_step_left - 1 if in_run else
                                     0 if out.shape.prefill_chunks else self.params.num_scheduler_steps - 1)
@@ -608,29 +603,6 @@ class VllmEngine(PagedEngine):
         self._push_waiting(req, front=True)
         return scheduled
 
-    def serves_lora(self) -> bool:
-        return self.adapters is not None
-
-    def lora_stats(self) -> dict | None:
-        a = self.adapters
-        if a is None:
-            return None
-        return {"max_loras": a.max_loras, "max_cpu_loras": a.max_cpu_loras,
-                "slots_gb_per_device": round(self.dep.adapter_weight_bytes_per_device / 1e9, 4),
-                "loads_from_host": a.loads_from_host, "loads_from_disk": a.loads_from_disk}
-
-    def _activate_adapters(self, out: SchedulerOutput) -> None:
-        """The step's adapters become active (loaded first where they are not) and its LoRA work goes in the shape."""
-        ranks = {r.lora_id: r.lora_rank for r, _ in out.scheduled if r.lora_id >= 0}
-        if not ranks:
-            return
-        host, disk = self.adapters.activate(set(ranks))
-        shape = out.shape
-        shape.lora_adapters, shape.lora_rank = len(ranks), self.params.max_lora_rank
-        shape.lora_tokens = sum(n for r, n in out.scheduled if r.lora_id >= 0)
-        shape.lora_host_load_ranks = sum(ranks[a] for a in host)
-        shape.lora_disk_load_ranks = sum(ranks[a] for a in disk)
-
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         queue = self.waiting_heap if self.priority else self.waiting
         # max_loras: a waiting request whose adapter would be one too many this step is skipped (it keeps its place;
@@ -639,11 +611,9 @@ class VllmEngine(PagedEngine):
         skipped: list[Request] = []
         while budget > 0 and queue and len(self.running) < self.max_num_seqs:
             req = self._peek_waiting()
-            if loras is not None and req.lora_id >= 0 and req.lora_id not in loras:
-                if len(loras) >= self.params.max_loras:
-                    skipped.append(self._pop_waiting())
-                    continue
-                loras.add(req.lora_id)   # (an admission that fails below stops the loop: the set is not used again)
+            if loras is not None and not self.adapters.admits(loras, req):
+                skipped.append(self._pop_waiting())   # (an admission that fails below stops the loop: a set that
+                continue                              # took its adapter is not used again)
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
             if req.remote_kv_tokens:
                 if not self._reserve_remote(req, hit, out):

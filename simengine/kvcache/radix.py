@@ -43,6 +43,15 @@ class RadixHold:
     private: int = 0     # slots the request owns outside the tree (computed-but-uncached, reserved)
 
 
+def radix_tokens(req) -> np.ndarray:
+    """The tokens a radix cache keys a request's KV by: its token ids, moved into an id range of the request's LoRA
+    adapter when it names one, so KV computed under different adapters is never shared (SGLang's radix key carries
+    the adapter: the request's extra key)."""
+    if req.lora_id < 0:
+        return req.token_ids
+    return req.token_ids.astype(np.int64) + ((req.lora_id + 1) << 32)
+
+
 class RadixCache:
     """Radix tree + slot pool of `capacity` tokens. Contract: lock refs never negative; parent lock >= sum of
     children's; `tree_tokens + req_tokens <= capacity`. Disabled, it matches nothing and caches nothing."""

@@ -178,6 +178,7 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
         if scenario.workload.lora is not None and not eng.serves_lora():
             ok = [n for n in ENGINES.names()
                   if "enable_lora" in {f.name for f in dataclasses.fields(ENGINES.get(n).Params)}]
+            # (SGLang also needs max_lora_rank: its own InputError says so when enable_lora is set without it)
             hint = ("set enable_lora: true in its params" if p.entry.engine in ok else
                     f"engines that model multi-LoRA serving: {', '.join(ok)}")
             raise CannotRun(f"the workload names LoRA adapters (workload.lora) and {p.entry.engine} does not serve "
