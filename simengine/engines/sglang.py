@@ -34,8 +34,7 @@ from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.engines.speculative import MTP_MODEL_TYPES, AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
-from simengine.kvcache.hashing import block_hashes
-from simengine.kvcache.host_tier import HostTier, host_tier
+from simengine.kvcache.host_tier import TokenHostTier, host_tier
 from simengine.kvcache.radix import RadixCache, radix_tokens
 
 MIB = 2**20
@@ -203,17 +202,16 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests * slots) if cps_on else None
         self.batch_size_limit = self.max_running_requests
         self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
-        self.host: HostTier | None = None
+        self.host: TokenHostTier | None = None
         if p.enable_hierarchical_cache:
             if p.hicache_write_policy != "write_through":
                 raise InputError(f"{p.hicache_write_policy} is not modelled; use write_through (the default)",
                                  field="hicache_write_policy")
             per_token = dep.kv_bytes_per_token_per_device
             size = p.hicache_size * 1e9 if p.hicache_size else p.hicache_ratio * tokens * per_token
-            self.host = host_tier(dep, size, HICACHE_CHUNK, write_through=True, field="enable_hierarchical_cache",
-                                  caching=not p.disable_radix_cache)
-        self.backed_up: dict[int, int] = {}   # request id -> its chunks copied to the host tier so far
-        self.host_hit_tokens = 0
+            self.host = TokenHostTier(host_tier(dep, size, HICACHE_CHUNK, write_through=True,
+                                                field="enable_hierarchical_cache", caching=not p.disable_radix_cache),
+                                      HICACHE_CHUNK, HICACHE_LOAD_BACK_THRESHOLD)
         self.onboarded = 0                    # tokens this step loads back from the host tier
         cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
         # without the tree, cache-aware policies fall back to fcfs (_validate_and_adjust_policy)
@@ -306,8 +304,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         if hold is not None:
             self.cache.commit(hold, radix_tokens(req)[:req.num_computed_tokens])   # cache_finished_req
             if self.host is not None:
-                self._back_up(req, hold.cached)
-                self.backed_up.pop(req.request_id, None)
+                self.host.back_up(req, hold.cached, done=True)
             if req.hold_kv:   # P/D prefill side: locked until the decode side has pulled it
                 self.held[req.request_id] = req
             else:
@@ -339,7 +336,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if req.status is Status.RUNNING and req.engine_state is not None:
                 self.cache.commit(req.engine_state, radix_tokens(req)[:req.num_computed_tokens])
                 if self.host is not None:
-                    self._back_up(req, req.engine_state.cached)
+                    self.host.back_up(req, req.engine_state.cached)
         self._prefilled = []
         return res
 
@@ -418,7 +415,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def _add_one(self, adder: _Adder, req: Request, admitted: list) -> _Add:
         hold = self.cache.acquire(radix_tokens(req), req.num_tokens - 1)   # locks the prefix (_lock_node)
-        host = self._host_hit(req, hold.cached) if self.host is not None else 0
+        host = self.host.hit(req, hold.cached) if self.host is not None else 0
         extend = req.num_tokens - hold.cached - host
         page = self.cache.page
         total = extend + host + self._reserve(req) + page
@@ -445,32 +442,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         admitted.append((req, n))
         return self._budget_state(adder)
 
-    # ---- HiCache ------------------------------------------------------------------------------------------------
-    def _host_hit(self, req: Request, cached: int) -> int:
-        """Tokens past the device hit (`cached`) that the host tier holds, to one token short of the prompt; none
-        below the load_back threshold (hiradix_cache.py load_back_threshold = 10)."""
-        start, stop = cached // HICACHE_CHUNK, (req.num_tokens - 1) // HICACHE_CHUNK
-        if stop <= start:
-            return 0
-        found = self.host.match(block_hashes(req, HICACHE_CHUNK)[start:stop])
-        tokens = (start + found) * HICACHE_CHUNK - cached if found else 0
-        return tokens if tokens >= HICACHE_LOAD_BACK_THRESHOLD else 0
-
-    def _back_up(self, req: Request, cached: int) -> None:
-        """write_through: the chunks of the request's tokens now in the radix tree are copied to the host tier."""
-        done = self.backed_up.get(req.request_id, 0)
-        upto = cached // HICACHE_CHUNK
-        if upto > done:
-            self.host.store_many(block_hashes(req, HICACHE_CHUNK)[done:upto])
-            self.backed_up[req.request_id] = upto
-
     def host_tier_stats(self) -> dict | None:
-        host = self.host
-        if host is None:
-            return None
-        return {"capacity_blocks": host.capacity_blocks, "blocks": len(host), "stored_blocks": host.stored_blocks,
-                "loaded_blocks": host.hit_blocks, "hit_tokens": self.host_hit_tokens,
-                "block_bytes": HICACHE_CHUNK * self.dep.kv_bytes_per_token_per_device}
+        return None if self.host is None else self.host.stats(self.dep.kv_bytes_per_token_per_device)
 
     def _charge(self, adder: _Adder, n: int, reserve: int) -> None:
         adder.offset += n + reserve
@@ -499,8 +472,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 continue
             if host:
                 self.onboarded += host
-                self.host_hit_tokens += host
-                self.host.hit_blocks += -(-host // HICACHE_CHUNK)
+                self.host.loaded(host)
             if req is not self.chunked:
                 taken.add(id(req))
                 cache.record_lookup(req.num_tokens, hold.cached)
@@ -649,7 +621,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
     def check_invariants(self) -> None:
         self.cache.check_invariants()
         if self.host is not None:
-            self.host.check_invariants()
+            self.host.tier.check_invariants()
         holders = (self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
                    + list(self.loading.values()) + self.prebuilt)
         assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"

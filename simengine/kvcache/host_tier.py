@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from simengine.errors import InputError
+from simengine.kvcache.hashing import block_hashes
 
 
 class HostTier:
@@ -115,3 +116,44 @@ def host_tier(dep, bytes_per_device: float, block_size: int, *, write_through: b
     if blocks < 1:
         raise InputError(f"holds no {block_size}-token KV block of {dep.model.name}; give more memory", field=field)
     return HostTier(blocks, write_through=write_through, prompt_only=prompt_only)
+
+
+class TokenHostTier:
+    """A host tier behind a token radix cache (SGLang's HiCache, write-through): the tokens a request has in the
+    tree are copied out in chunks of `chunk` tokens, keyed by the chained hash of the prefix through each chunk (a
+    simulator granularity: SGLang's host pool pages are the device's), and a prompt continuing its device hit there
+    loads the rest back unless under `threshold` tokens."""
+
+    def __init__(self, tier: HostTier, chunk: int, threshold: int):
+        self.tier, self.chunk, self.threshold = tier, chunk, threshold
+        self.backed_up: dict[int, int] = {}   # request id -> its chunks copied out so far
+        self.hit_tokens = 0
+
+    def back_up(self, req, cached: int, *, done: bool = False) -> None:
+        """The request has `cached` tokens in the tree: copy out the chunks not copied yet (`done`: it left)."""
+        copied = self.backed_up.pop(req.request_id, 0) if done else self.backed_up.get(req.request_id, 0)
+        upto = cached // self.chunk
+        if upto > copied:
+            self.tier.store_many(block_hashes(req, self.chunk)[copied:upto])
+            if not done:
+                self.backed_up[req.request_id] = upto
+
+    def hit(self, req, cached: int) -> int:
+        """Tokens past the device hit (`cached`) the tier holds, to one token short of the prompt; 0 under the
+        threshold. A lookup: `loaded` records a load."""
+        start, stop = cached // self.chunk, (req.num_tokens - 1) // self.chunk
+        if stop <= start:
+            return 0
+        found = self.tier.match(block_hashes(req, self.chunk)[start:stop])
+        tokens = (start + found) * self.chunk - cached if found else 0
+        return tokens if tokens >= self.threshold else 0
+
+    def loaded(self, tokens: int) -> None:
+        self.hit_tokens += tokens
+        self.tier.hit_blocks += -(-tokens // self.chunk)
+
+    def stats(self, kv_bytes_per_token: float) -> dict:
+        t = self.tier
+        return {"capacity_blocks": t.capacity_blocks, "blocks": len(t), "stored_blocks": t.stored_blocks,
+                "loaded_blocks": t.hit_blocks, "hit_tokens": self.hit_tokens,
+                "block_bytes": self.chunk * kv_bytes_per_token}
