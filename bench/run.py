@@ -4,8 +4,9 @@ Workload: ShareGPT-like (lognormal prompt and output lengths, means ~1000 and ~2
 H100 with the vLLM policy at a rate that keeps the replica busy (90% of its measured offline throughput), at
 10k, 100k, 1M and 10M requests (past the recorder's memory budget the rows go to temporary files: the 10M run's
 peak RSS shows memory stays flat); every engine at 10k, with the default step-time model (measured kernels where the
-kernels extra is installed) and with the roofline alone (`deployment.cost_model: roofline`), to keep the measured
-model's cost on record; a bare SimPy loop of 1M timeouts as the machine reference.
+kernels extra is installed), with the roofline alone (`deployment.cost_model: roofline`), to keep the measured
+model's cost on record, and in the exact mode (`exact: true`, `exact_seconds_10k`: the reference path without the
+speed devices, to keep their gain on record); a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
 (`--repeat`, default 3) and the fastest counts. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
@@ -34,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def scenario_dict(num_requests: int, rate: float | None, engine: str) -> dict:
-    """`engine` may carry the cost model after a colon (vllm:roofline) and a replica count after an at sign
-    (vllm@16: that many replicas behind least_loaded)."""
+    """`engine` may carry the cost model after a colon (vllm:roofline), a replica count after an at sign (vllm@16:
+    that many replicas behind least_loaded) and `!exact` at the end (Scenario.exact: no speed devices)."""
+    engine, bang, mode = engine.partition("!")
     engine, _, replicas = engine.partition("@")
     engine, _, cost_model = engine.partition(":")
     arrival = {"process": "poisson", "rate": rate} if rate else {"process": "offline"}
@@ -45,7 +47,7 @@ def scenario_dict(num_requests: int, rate: float | None, engine: str) -> dict:
             "workload": {"arrival": arrival, "num_requests": num_requests,
                          "input_tokens": {"dist": "lognormal", "mean": 1000, "sigma": 0.8, "max": 8000},
                          "output_tokens": {"dist": "lognormal", "mean": 250, "sigma": 0.8, "max": 2048}},
-            "engines": [engine]}
+            "engines": [engine], "exact": bool(bang and mode == "exact")}
 
 
 def child(args) -> None:
@@ -177,6 +179,7 @@ def main() -> None:
     per_engine = {e: runs[sizes[0]] if e == "vllm" else best_of(args.repeat, e, sizes[0], rate)
                   for e in ENGINES.names() if e != "generic"}
     roofline = {e: best_of(args.repeat, f"{e}:roofline", sizes[0], rate) for e in per_engine}
+    exact = {e: best_of(args.repeat, f"{e}!exact", sizes[0], rate) for e in per_engine}
     cluster = measure("vllm@16", 100_000, round(16 * rate, 3)) if 100_000 in runs else None
     from simengine.cost.measured import data_root
     measured_on = data_root() is not None
@@ -213,6 +216,9 @@ def main() -> None:
                                                 for e, r in roofline.items()},
         "worst_measured_to_roofline_10k": round(max(per_engine[e]["seconds"] / r["seconds"]
                                                     for e, r in roofline.items()), 2),
+        # the reference path alone (Scenario.exact): what the speed devices gain, engine by engine
+        "exact_seconds_10k": {e: round(r["seconds"], 3) for e, r in exact.items()},
+        "exact_to_default_10k": {e: round(r["seconds"] / per_engine[e]["seconds"], 2) for e, r in exact.items()},
         "cluster_seconds_100k_16r": round(cluster["seconds"], 3) if cluster else None,
         "cluster_cost_ratio": round(cluster["seconds"] / runs[100_000]["seconds"], 3) if cluster else None,
         "runs": {str(n): r for n, r in runs.items()},
@@ -229,7 +235,7 @@ def main() -> None:
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():
         print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm; "
-              f"roofline {result['per_engine_roofline_seconds_10k'][e]} s)")
+              f"roofline {result['per_engine_roofline_seconds_10k'][e]} s; exact {result['exact_seconds_10k'][e]} s)")
     print(f"wrote {args.out}")
 
 

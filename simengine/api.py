@@ -212,11 +212,13 @@ class Simulation:
 
 
 def simulate(scenario: str | Path | dict | Scenario, engines: list[EngineEntry | str] | None = None,
-             overrides: dict | None = None, *, max_wall_s: float | None = None) -> Simulation:
+             overrides: dict | None = None, *, max_wall_s: float | None = None, exact: bool = False) -> Simulation:
     """Run a scenario's engines on the same request stream. `scenario`: a name under scenarios/, a path to a YAML
     file, a mapping in the scenario file's schema, or a Scenario. `overrides`: dotted paths to values, as `--set`
-    takes them ({"workload.arrival.rate": 4}). `engines`: names or entries (default the scenario's). Bad input
-    raises simengine.errors.InputError naming the field."""
+    takes them ({"workload.arrival.rate": 4}). `engines`: names or entries (default the scenario's). `exact`: the
+    reference path alone (Scenario.exact). Bad input raises simengine.errors.InputError naming the field."""
+    if exact:
+        overrides = {**(overrides or {}), "exact": True}
     from simengine.config.loader import apply_overrides, from_dict
     from simengine.config.scenario import check_engines, load_scenario
     from simengine.errors import InputError

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                        help="override a scenario field, e.g. --set workload.arrival.rate=4")
         s.add_argument("--no-plots", action="store_true", help="skip figures")
+        s.add_argument("--exact", action="store_true",
+                       help="the reference path alone, without the simulator's speed devices (same results, slower; "
+                            "the same as --set exact=true)")
         s.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal)")
         s.add_argument("--max-wall-s", type=float, metavar="SECONDS",
                        help="stop simulating after this many wall-clock seconds; results so far are written and "
@@ -109,6 +112,8 @@ def cmd_run(args) -> int:
     from simengine.report.tables import format_table
     from simengine.sim.build import plan_pools
 
+    if args.exact:
+        args.set = [*args.set, "exact=true"]
     scenario = load_scenario(args.scenario, args.set)
     engines = _engines_arg(args.engines, scenario)
     if args.max_wall_s is not None and not 0 < args.max_wall_s < 1e9:

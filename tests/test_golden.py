@@ -7,6 +7,7 @@ test pins the results. After a change that is meant to alter results, regenerate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -57,10 +58,14 @@ def golden():
         GOLDEN.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_golden_summary(case, golden):
+def test_golden_summary(case, exact, golden):
+    """Both modes give the stored figures: the speed devices change nothing (Scenario.exact runs without them)."""
+    if REGEN and exact:
+        pytest.skip("goldens are regenerated from the default mode; the exact mode is checked against them")
     build, engine = CASES[case]
-    sc = build(engine)
+    sc = dataclasses.replace(build(engine), exact=exact)
     if load_hardware(sc.deployment.hardware).kernel_tables and data_root() is None:
         pytest.skip("this device's golden figures come from measured kernels: install the kernels extra")
     got = _numbers(run_engine(sc, sc.engines[0]).summary)

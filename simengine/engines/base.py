@@ -256,6 +256,11 @@ class EnginePolicy(ABC):
             if req.token_times is not None:
                 req.token_times.extend(ends)
 
+    def exact_mode(self) -> None:
+        """Switch the engine's speed devices off (Scenario.exact): the reference path alone. The base engine's one
+        is the closed-form repeat of proven-identical steps (`repeat_steps`); an engine with more extends this."""
+        self.repeat_steps = lambda out: 0   # type: ignore[method-assign]
+
     def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
         """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,
         writes them now); call before reading a running request's progress from outside the engine."""

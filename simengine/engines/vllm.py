@@ -208,6 +208,13 @@ class VllmEngine(PagedEngine):
         self.async_finish = p.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
 
+    def exact_mode(self) -> None:
+        """No decode cohort and no deferred publishing: every request walked and every block published each step."""
+        super().exact_mode()
+        self.sync()
+        self.lazy = False
+        self.kv.defer_output_publish = False
+
     @classmethod
     def speculation_of(cls, params: VllmParams, dep: Deployment) -> Speculation | None:
         c = params.speculative_config

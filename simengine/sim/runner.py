@@ -73,10 +73,13 @@ class Runner:
         self.recorder = Recorder()
         wl = scenario.workload
         self.factory = RequestFactory(wl, scenario.seed, self.dep.model.vocab_size,
-                                      min(p.dep.model.max_model_len for p in self.pools))
+                                      min(p.dep.model.max_model_len for p in self.pools), exact=scenario.exact)
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.check_invariants = check_invariants
         self.engines = [build_engine(p.entry, p.dep) for p in self.pools for _ in p.indices]
+        if scenario.exact:
+            for eng in self.engines:
+                eng.exact_mode()
         self.costs: dict[str, CostModel] = {}
         self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and

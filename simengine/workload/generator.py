@@ -45,8 +45,10 @@ class RequestFactory:
     # (tests/engines/test_fast_paths.py).
     mark_private: ClassVar[bool] = True
 
-    def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int, max_model_len: int):
+    def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int, max_model_len: int, *, exact: bool = False):
         self.cfg = cfg
+        if exact:   # Scenario.exact: no speed devices, private tokens included
+            self.mark_private = False
         self.vocab = vocab_size
         self.max_model_len = max_model_len
         children = np.random.SeedSequence(seed).spawn(6)
