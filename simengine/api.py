@@ -136,8 +136,8 @@ def offload_section(engines: list, replicas: list, input_tokens: float, end_s: f
             "stored_blocks": sum(s["stored_blocks"] for s in stats),
             "loaded_blocks": sum(s["loaded_blocks"] for s in stats),
             "loaded_gb": round(sum(s["loaded_blocks"] * s["block_bytes"] for s in stats) / 1e9, 6),
-            "disk_capacity_gb": round(sum(s.get("disk_capacity_blocks", 0) * s["block_bytes"] for s in stats) / 1e9, 3),
-            "disk_loaded_gb": round(sum(s.get("disk_loaded_blocks", 0) * s["block_bytes"] for s in stats) / 1e9, 6),
+            "disk_capacity_gb": round(sum(s["disk_capacity_blocks"] * s["block_bytes"] for s in stats) / 1e9, 3),
+            "disk_loaded_gb": round(sum(s["disk_loaded_blocks"] * s["block_bytes"] for s in stats) / 1e9, 6),
             "host_hit_tokens": hit, "host_share_of_input": round(hit / input_tokens, 6) if input_tokens else 0.0,
             "async_loads": len(loads), "load_queue_ms": ms(1), "load_link_ms": ms(2),
             "host_link_busy_fraction": round(busy / (end_s * len(replicas)), 6) if end_s > 0 else 0.0}

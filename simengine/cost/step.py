@@ -152,7 +152,8 @@ class CostModel:
         from disk first), then the batched LoRA kernels: each distinct adapter's weights read once, every LoRA
         token's shrink and expand computed, at the padded rank, two kernels per target module and layer."""
         w, t, hw = self.work, self.kernels.terms, self.work.hw
-        per_rank = lora_params_per_rank(w.model) * ADAPTER_BYTES_PER_PARAM / w.tp   # bytes per device
+        params = lora_params_per_rank(w.model) / w.tp   # per rank, on each device
+        per_rank = params * ADAPTER_BYTES_PER_PARAM      # bytes
         s = 0.0
         if shape.lora_host_load_ranks:
             s += shape.lora_host_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
@@ -160,7 +161,7 @@ class CostModel:
             disk = shape.lora_disk_load_ranks * per_rank * w.tp
             s += disk / ADAPTER_DISK_BYTES_S + ADAPTER_DISK_LATENCY_S
             s += shape.lora_disk_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
-        flops = 2.0 * shape.lora_tokens * shape.lora_rank * per_rank / ADAPTER_BYTES_PER_PARAM
+        flops = 2.0 * shape.lora_tokens * shape.lora_rank * params
         nbytes = shape.lora_adapters * shape.lora_rank * per_rank
         gpu, _, _ = bound(flops / self.kernels.attn_peak, nbytes / self.kernels.bandwidth, t.g_attn,
                           t.memory_fraction)

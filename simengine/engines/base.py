@@ -410,14 +410,8 @@ class PagedEngine(EnginePolicy):
         """The KV offload tier's figures (None without one): capacity and blocks held, stored and loaded back,
         and the prompt tokens found there."""
         host = self.kv.host
-        if host is None:
-            return None
-        disk = host.spill
-        return {"capacity_blocks": host.capacity_blocks, "blocks": len(host), "stored_blocks": host.stored_blocks,
-                "loaded_blocks": host.hit_blocks, "hit_tokens": self.kv.host_hit_tokens,
-                "block_bytes": self.kv.block_size * self.dep.kv_bytes_per_token_per_device,
-                "disk_capacity_blocks": disk.capacity_blocks if disk else 0,
-                "disk_loaded_blocks": disk.hit_blocks if disk else 0}
+        return None if host is None else host.stats(self.kv.host_hit_tokens,
+                                                    self.kv.block_size * self.dep.kv_bytes_per_token_per_device)
 
     def release(self, req: Request) -> None:
         self.running.remove(req)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated
 
 import numpy as np
 
@@ -26,7 +26,14 @@ from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
-from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve, with_proposer
+from simengine.engines.speculative import (
+    AcceptanceDataset,
+    AcceptanceKnobs,
+    AcceptanceRates,
+    Speculation,
+    resolve,
+    with_proposer,
+)
 from simengine.errors import CannotRun, InputError
 
 MIB = 2**20
@@ -82,8 +89,8 @@ class LlamaCppParams(Checked):
     model_draft: str | None = None
     spec_draft_n_max: Annotated[int, Range(1, 256)] = 3
     # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not llama.cpp flags
-    spec_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
-    spec_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
+    spec_acceptance: AcceptanceRates = None
+    spec_acceptance_dataset: AcceptanceDataset = "chat"
 
     def __post_init__(self):
         super().__post_init__()

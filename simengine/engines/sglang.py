@@ -32,7 +32,14 @@ from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTim
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
-from simengine.engines.speculative import MTP_MODEL_TYPES, AcceptanceKnobs, Speculation, resolve
+from simengine.engines.speculative import (
+    MTP_MODEL_TYPES,
+    AcceptanceDataset,
+    AcceptanceKnobs,
+    AcceptanceRates,
+    Speculation,
+    resolve,
+)
 from simengine.errors import InputError
 from simengine.kvcache.host_tier import TokenHostTier, host_tier
 from simengine.kvcache.radix import RadixCache, radix_tokens
@@ -100,8 +107,8 @@ class SglangParams(Checked):
     max_loaded_loras: Annotated[int, Range(1, 1 << 20)] | None = None
     max_lora_rank: Annotated[int, Range(1, 1024)] | None = None
     # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not SGLang flags
-    speculative_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
-    speculative_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
+    speculative_acceptance: AcceptanceRates = None
+    speculative_acceptance_dataset: AcceptanceDataset = "chat"
 
 
 def sglang_gpu_defaults(dep: Deployment) -> tuple[int, int]:

@@ -32,8 +32,10 @@ from simengine.core.request import Request
 from simengine.engines.memory import Deployment
 from simengine.errors import InputError
 
-METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
 DATASETS = ("chat", "code", "summarization", "math")
+# the simulator's acceptance knobs as every engine's params spell them (beside each engine's own names)
+AcceptanceDataset = Literal["chat", "code", "summarization", "math"]
+AcceptanceRates = list[Annotated[float, Range(0, 1)]] | None
 
 # Host time of one prompt-lookup proposal (the longest n-gram suffix match over a request's tokens, vLLM's
 # NgramProposer in numba). ESTIMATE: ~10 us per request for contexts of a few thousand tokens.
@@ -83,7 +85,7 @@ _fill_defaults()
 class Speculation:
     """One engine's speculative decoding, in the engine-neutral terms the mechanics need."""
 
-    method: str                       # one of METHODS
+    method: str                       # ngram | eagle | eagle3 | mtp | draft_model
     num_tokens: int                   # drafts verified per decoding request per step (k)
     acceptance: tuple[float, ...]     # conditional acceptance of draft positions 1.. (the last repeats)
     max_batch: int | None = None      # no drafts in a step whose decoding batch is larger (None: always)
@@ -154,9 +156,9 @@ class AcceptanceKnobs(Checked):
     """The simulator's acceptance model beside an engine's speculative knobs (no engine has these: acceptance is a
     property of the text and the proposer)."""
 
-    acceptance: list[Annotated[float, Range(0, 1)]] | None = None  # per draft position (the last repeats); None:
+    acceptance: AcceptanceRates = None  # per draft position (the last repeats); None:
                                                                     # the published default of the method and dataset
-    acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
+    acceptance_dataset: AcceptanceDataset = "chat"
 
 
 # models with a multi-token-prediction layer (config.json num_nextn_predict_layers)

@@ -23,7 +23,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
-from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
+from simengine.engines.speculative import AcceptanceDataset, AcceptanceKnobs, AcceptanceRates, Speculation, resolve
 from simengine.kvcache.radix import RadixCache, RadixHold
 
 DEFAULT_GENERATION_LENGTH = 1024     # router/src/validation.rs: tokens reserved and generated per queue visit
@@ -49,8 +49,8 @@ class TgiParams(Checked):
     # or MLP-speculator heads (docs/source/conceptual/speculation.md)
     speculate: Annotated[int, Range(0, 64)] = 0
     # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not TGI flags
-    speculate_acceptance: list[Annotated[float, Range(0, 1)]] | None = None
-    speculate_acceptance_dataset: Literal["chat", "code", "summarization", "math"] = "chat"
+    speculate_acceptance: AcceptanceRates = None
+    speculate_acceptance_dataset: AcceptanceDataset = "chat"
     prefix_caching: bool = True                     # env PREFIX_CACHING (launcher resolve_attention; off on paged)
     prefill_chunking: bool = True                   # env PREFILL_CHUNKING (models/globals.py)
     attention: Literal["flashinfer", "flashdecoding", "paged"] = "flashinfer"  # env ATTENTION -> block size

@@ -87,6 +87,14 @@ class HostTier:
         behind = self.spill.match(hashes[here:]) if self.spill is not None and here < len(hashes) else 0
         return here, behind
 
+    def stats(self, hit_tokens: int, block_bytes: float) -> dict:
+        """The tier's figures for summary.json `kv_offload` (api.offload_section), with its disk tier's."""
+        disk = self.spill
+        return {"capacity_blocks": self.capacity_blocks, "blocks": len(self), "stored_blocks": self.stored_blocks,
+                "loaded_blocks": self.hit_blocks, "hit_tokens": hit_tokens, "block_bytes": block_bytes,
+                "disk_capacity_blocks": disk.capacity_blocks if disk else 0,
+                "disk_loaded_blocks": disk.hit_blocks if disk else 0}
+
     def check_invariants(self) -> None:
         assert len(self) <= self.capacity_blocks, "host tier over capacity"
         assert self.anonymous >= 0
@@ -153,7 +161,4 @@ class TokenHostTier:
         self.tier.hit_blocks += -(-tokens // self.chunk)
 
     def stats(self, kv_bytes_per_token: float) -> dict:
-        t = self.tier
-        return {"capacity_blocks": t.capacity_blocks, "blocks": len(t), "stored_blocks": t.stored_blocks,
-                "loaded_blocks": t.hit_blocks, "hit_tokens": self.hit_tokens,
-                "block_bytes": self.chunk * kv_bytes_per_token}
+        return self.tier.stats(self.hit_tokens, self.chunk * kv_bytes_per_token)
