@@ -12,152 +12,31 @@ prompts are inserted as prefill progresses, whole sequences at finish; LRU evict
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from enum import Enum
-from typing import Annotated, Literal
 
-from simengine.config.loader import (
-    MAX_TOKENS,
-    BlockTokens,
-    Checked,
-    MemoryFraction,
-    PoolSize,
-    Range,
-    Sequences,
-    Tokens,
-)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
-from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
-from simengine.engines.speculative import (
-    MTP_MODEL_TYPES,
-    AcceptanceDataset,
-    AcceptanceKnobs,
-    AcceptanceRates,
-    Speculation,
-    resolve,
+from simengine.engines.sglang_config import (
+    SglangParams,
+    sglang_adapter_slots,
+    sglang_decode_graph_sizes,
+    sglang_gpu_defaults,
+    sglang_host_tier,
+    sglang_mem_fraction_static,
+    sglang_speculation,
 )
-from simengine.errors import InputError
-from simengine.kvcache.host_tier import TokenHostTier, host_tier
+from simengine.engines.sglang_policy import AddResult, PrefillAdder, order_waiting, reserve_tokens
+from simengine.engines.speculative import Speculation
 from simengine.kvcache.radix import RadixCache, radix_tokens
 
-MIB = 2**20
 INIT_NEW_TOKEN_RATIO = 0.7          # environ.py SGLANG_INIT_NEW_TOKEN_RATIO (x schedule_conservativeness)
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # environ.py SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY_STEPS = 600   # environ.py SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20           # environ.py SGLANG_RETRACT_DECODE_STEPS
-CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 NUM_RESERVED_DECODE_TOKENS = 512    # server_args.py num_reserved_decode_tokens: a P/D decode server keeps this many
                                     # tokens per active request free for their decoding (disaggregation/decode.py)
-LPM_QUEUE_LIMIT = 128               # schedule_policy.py _determine_active_policy: lpm -> fcfs above this
-# HiCache: host-tier lookups go in chunks of this many tokens (a simulator granularity: SGLang's host pool pages are
-# the device's, one token with page_size 1), and a host hit under load_back_threshold tokens is recomputed
-HICACHE_CHUNK = 32
-HICACHE_LOAD_BACK_THRESHOLD = 10   # hiradix_cache.py HiRadixCache load_back_threshold
-IN_BATCH_PREFIX_THRESHOLD = 32      # schedule_policy.py IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
-
-
-@dataclass(frozen=True, kw_only=True)
-class SglangParams(Checked):
-    """SGLang server arguments (CLI flag names with dashes as underscores). Defaults from 0.5.23."""
-
-    # None: (gpu_mem - reserved) / gpu_mem (arg_groups/memory_hook.py)
-    mem_fraction_static: MemoryFraction | None = None
-    max_total_tokens: PoolSize | None = None       # caps the KV pool in tokens (fields/memory.py; model_runner min())
-    # None: clamp(kv/context*512, 2048, 4096) <= kv/2 (pool_configurator.py)
-    max_running_requests: Sequences | None = None
-    # None: by GPU memory, 8192 on H100/H200 (memory_hook.py); -1 = off
-    chunked_prefill_size: Annotated[int, Range(1, MAX_TOKENS, also=(-1,))] | None = None
-    max_prefill_tokens: Tokens = 16384             # fields/schedule.py
-    schedule_policy: Literal["fcfs", "lpm", "dfs-weight", "lof"] = "fcfs"  # fields/schedule.py (was lpm before)
-    # fields/schedule.py; scales the initial new_token_ratio
-    schedule_conservativeness: Annotated[float, Range(0, 100, above=True)] = 1.0
-    page_size: BlockTokens = 1                     # overrides.py::_page_size_default on CUDA
-    disable_radix_cache: bool = False              # fields/memory.py
-    enable_mixed_chunk: bool = False               # fields/schedule.py
-    disable_overlap_schedule: bool = False         # fields/schedule.py (overlap scheduler on by default)
-    enable_priority_scheduling: bool = False       # fields/schedule.py
-    schedule_low_priority_values_first: bool = False  # fields/schedule.py: default serves HIGHER values first
-    disable_cuda_graph: bool = False               # fields/exec_.py
-    cuda_graph_max_bs_decode: Sequences | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
-    context_length: Tokens | None = None           # None: the model's max_position_embeddings
-    # speculative decoding (fields of server_args.py; docs/advanced_features/speculative_decoding.md): NEXTN is EAGLE
-    # over a model's own MTP layer, STANDALONE a separate draft model (speculative_draft_model_path, a catalog name
-    # here). None for steps/topk/draft tokens: auto, 5/4/8 for Llama, 3/1/4 otherwise; with topk 1 the draft tokens
-    # are steps + 1; NGRAM verifies 12 draft tokens (its max match window) as a chain
-    speculative_algorithm: Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"] | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: Annotated[int, Range(1, 64)] | None = None
-    speculative_eagle_topk: Annotated[int, Range(1, 64)] | None = None
-    speculative_num_draft_tokens: Annotated[int, Range(2, 256)] | None = None
-    # HiCache (server_args.py; mem_cache/hiradix_cache.py): a host-memory tier behind the radix cache, hicache_ratio
-    # x the device pool (hicache_size GB instead when > 0); write_through copies a node out when it is inserted
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: Annotated[float, Range(0, 1000, above=True)] = 2.0
-    hicache_size: Annotated[int, Range(0, 1 << 20)] = 0
-    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    # multi-LoRA serving (server_args.py; docs/advanced_features/lora.md): adapters per batch (their GPU pool),
-    # adapters held in host memory (None: every adapter, loaded at start from --lora-paths), and the rank the pool is
-    # sized for (SGLang infers it from --lora-paths; here it must be given)
-    enable_lora: bool = False
-    max_loras_per_batch: Annotated[int, Range(1, 1024)] = 8
-    max_loaded_loras: Annotated[int, Range(1, 1 << 20)] | None = None
-    max_lora_rank: Annotated[int, Range(1, 1024)] | None = None
-    # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not SGLang flags
-    speculative_acceptance: AcceptanceRates = None
-    speculative_acceptance_dataset: AcceptanceDataset = "chat"
-
-
-def sglang_gpu_defaults(dep: Deployment) -> tuple[int, int]:
-    """(chunked_prefill_size, decode CUDA-graph max_bs) by GPU memory (memory_hook.py)."""
-    mem, small_tp = dep.hardware.memory_bytes / MIB, dep.tp < 4
-    if mem < 20 * 1024:
-        return 2048, 8
-    if mem < 35 * 1024:
-        return 4096, 48 if small_tp else 160
-    if mem < 60 * 1024:
-        return 4096, 32 if small_tp else 160
-    if mem < 160 * 1024:
-        return 8192, 256 if small_tp else 512
-    return 16384, 512
-
-
-def sglang_decode_graph_sizes(max_bs: int) -> tuple[int, ...]:
-    """cuda_graph_hook.py::generate_decode_cuda_graph_batch_sizes (no speculative decoding)."""
-    sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
-    return tuple(sorted({s for s in sizes if s <= max_bs} | {max_bs}))
-
-
-def sglang_mem_fraction_static(dep: Deployment, chunked_prefill_size: int, max_bs: int) -> float:
-    """memory_hook.py: reserve 512 MB + 1.5 MB per activation token + tp*pp/8 GB + CUDA-graph buffers
-    (2 MB per decode bs, 8 MB per prefill graph size), at least 10 GB on GPUs over 60 GB."""
-    mem, cps = dep.hardware.memory_bytes / MIB, chunked_prefill_size
-    prefill_sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-                     *range(1280, 4097, 256), *range(4608, cps + 1, 512)]    # generate_prefill_cuda_graph_batch_sizes
-    reserved = 512 + max(cps, 2048) * 1.5 + dep.tp * dep.pp / 8 * 1024
-    reserved += max_bs * 2 + sum(1 for x in prefill_sizes if x <= cps) * 8
-    if mem > 60 * 1024:
-        reserved = max(reserved, 10 * 1024)
-    return round((mem - reserved) / mem, 3)
-
-
-class _Add(Enum):
-    CONTINUE = 0
-    NO_TOKEN = 1
-    OTHER = 2
-
-
-@dataclass(slots=True)
-class _Adder:
-    """PrefillAdder budgets for one prefill batch (schedule_policy.py)."""
-
-    rem_input: int
-    rem_chunk: int | None
-    offset: float                  # reserved tokens: running decode growth + this batch's admissions
-    count: int = 0
 
 
 @ENGINES.register("sglang")
@@ -183,15 +62,8 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.mem_fraction = p.mem_fraction_static or sglang_mem_fraction_static(dep, act_tokens, self.graph_max_bs)
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
-        if p.enable_lora:   # the LoRA memory pool of max_loras_per_batch adapters at max_lora_rank, out of the KV pool
-            if p.max_lora_rank is None:
-                raise InputError("give the rank the LoRA pool is sized for (SGLang infers it from --lora-paths)",
-                                 field="max_lora_rank")
-            if p.max_loaded_loras is not None and p.max_loaded_loras < p.max_loras_per_batch:
-                raise InputError(f"must be >= max_loras_per_batch ({p.max_loras_per_batch}), got "
-                                 f"{p.max_loaded_loras}", field="max_loaded_loras")
-            self.adapters = AdapterSlots(p.max_loras_per_batch, p.max_loaded_loras or (1 << 30), p.max_lora_rank,
-                                         preloaded=p.max_loaded_loras is None)
+        self.adapters = sglang_adapter_slots(p)
+        if self.adapters is not None:   # the LoRA pool comes out of the KV pool
             dep = self.dep = dataclasses.replace(
                 dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
         kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
@@ -209,16 +81,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.step_token_limit = max(self.chunked_prefill_size, self.max_running_requests * slots) if cps_on else None
         self.batch_size_limit = self.max_running_requests
         self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
-        self.host: TokenHostTier | None = None
-        if p.enable_hierarchical_cache:
-            if p.hicache_write_policy != "write_through":
-                raise InputError(f"{p.hicache_write_policy} is not modelled; use write_through (the default)",
-                                 field="hicache_write_policy")
-            per_token = dep.kv_bytes_per_token_per_device
-            size = p.hicache_size * 1e9 if p.hicache_size else p.hicache_ratio * tokens * per_token
-            self.host = TokenHostTier(host_tier(dep, size, HICACHE_CHUNK, write_through=True,
-                                                field="enable_hierarchical_cache", caching=not p.disable_radix_cache),
-                                      HICACHE_CHUNK, HICACHE_LOAD_BACK_THRESHOLD)
+        self.host = sglang_host_tier(p, dep, tokens)
         self.onboarded = 0                    # tokens this step loads back from the host tier
         cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
         # without the tree, cache-aware policies fall back to fcfs (_validate_and_adjust_policy)
@@ -234,7 +97,6 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._entry: dict[int, int] = {}       # request id -> queue-entry sequence (priority tie-break)
         self._seq = 0
         self._prefilled: list[Request] = []
-        self._loading_back: dict[int, int] = {}   # request id -> host tokens its admission loads back
         # P/D decode side: requests waiting for KV slots (DecodePreallocQueue) and arrived (the prebuilt batch the
         # next schedule merges into running); those with slots and KV on its way (DecodeTransferQueue): self.loading
         self.prealloc: list[Request] = []
@@ -242,25 +104,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     @classmethod
     def speculation_of(cls, params: SglangParams, dep: Deployment) -> Speculation | None:
-        p, algo = params, params.speculative_algorithm
-        if algo is None:
-            return None
-        if algo == "NGRAM":
-            drafts = (p.speculative_num_draft_tokens or 12) - 1
-            steps, topk = drafts, 1
-        else:
-            steps, topk, tokens = (5, 4, 8) if dep.model.model_type == "llama" else (3, 1, 4)
-            steps, topk = p.speculative_num_steps or steps, p.speculative_eagle_topk or topk
-            tokens = steps + 1 if topk == 1 else (p.speculative_num_draft_tokens or tokens)
-            drafts = tokens - 1
-        method = {"EAGLE": "mtp" if dep.model.model_type in MTP_MODEL_TYPES else "eagle", "EAGLE3": "eagle3",
-                  "NEXTN": "mtp", "STANDALONE": "draft_model", "NGRAM": "ngram"}[algo]
-        knobs = AcceptanceKnobs(acceptance=p.speculative_acceptance,
-                                acceptance_dataset=p.speculative_acceptance_dataset)
-        # a tree of `drafts` tokens over `steps` positions: about drafts / steps candidates a position (<= topk)
-        return resolve(method, drafts, knobs, target=dep.model, at="speculative_algorithm",
-                       draft_model=p.speculative_draft_model_path, model_field="speculative_draft_model_path",
-                       depth=min(steps, drafts), width=min(float(topk), drafts / min(steps, drafts)))
+        return sglang_speculation(params, dep)
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -284,9 +128,6 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
 
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.prealloc) + len(self.prebuilt)
-
-
-
 
     def _enqueue(self, req: Request) -> None:
         self._seq += 1
@@ -370,23 +211,21 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             out.shape.host_load_tokens, out.shape.host_load_overlapped, self.onboarded = self.onboarded, True, 0
         return out
 
-    def _reserve(self, req: Request) -> int:
-        return min(max(req.max_tokens - req.num_output_tokens, 0), CLIP_MAX_NEW_TOKENS)
-
     def _schedule_prefill(self, out: SchedulerOutput, now: float) -> bool:
         if self.chunked is None and (self.batch_is_full or not self.waiting):
             return False
         if self.chunked is None and len(self.running) >= self.max_running_requests:
             self.batch_is_full = True
             return False
+        p = self.params
         self._order_waiting()
-        mixed = list(self.running) if self.params.enable_mixed_chunk else []
+        mixed = list(self.running) if p.enable_mixed_chunk else []
         cps = self.chunked_prefill_size
-        adder = _Adder(self.params.max_prefill_tokens - len(mixed), cps - len(mixed) if cps > 0 else None,
-                       sum(self._reserve(r) for r in self.running) * self.new_token_ratio + len(mixed))
-        admitted: list[tuple[Request, int]] = []
+        adder = PrefillAdder(self.cache, self.host, p.max_prefill_tokens - len(mixed),
+                             cps - len(mixed) if cps > 0 else None,
+                             sum(reserve_tokens(r) for r in self.running) * self.new_token_ratio + len(mixed))
         if self.chunked is not None:
-            self._add_chunked(adder, admitted)
+            adder.add_chunked(self.chunked)
         # max_loras_per_batch: a request whose adapter would be one too many is skipped (_can_schedule_lora_req)
         loras = ({r.lora_id for r in (*self.running, *([self.chunked] if self.chunked else ())) if r.lora_id >= 0}
                  if self.adapters is not None else None)
@@ -396,82 +235,34 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 break
             if loras is not None and not self.adapters.admits(loras, req):
                 continue
-            res = self._add_one(adder, req, admitted)
-            if res is not _Add.CONTINUE:
-                self.batch_is_full = self.batch_is_full or res is _Add.NO_TOKEN
+            res = adder.add_one(req)
+            if res is not AddResult.CONTINUE:
+                self.batch_is_full = self.batch_is_full or res is AddResult.NO_TOKEN
                 break
-        if not admitted:
+        if not adder.admitted:
             return False
-        self._commit_admissions(admitted, mixed, out, now)
+        self._commit_admissions(adder, mixed, out, now)
         return True
 
-    def _rem_total(self, adder: _Adder) -> float:   # free + evictable - reserved
-        return self.cache.available() - adder.offset
+    def _order_waiting(self) -> None:
+        key = self._priority_key if self.params.enable_priority_scheduling else None
+        self.waiting = order_waiting(self.policy, self.waiting, self.cache, key)
 
-    def _add_chunked(self, adder: _Adder, admitted: list) -> None:
-        req = self.chunked
-        rem = int(self._rem_total(adder))
-        if adder.rem_chunk is not None:
-            rem = min(rem, adder.rem_chunk)
-        n = min(req.num_new_tokens, rem)
-        if n <= 0:
-            return
-        whole = n == req.num_new_tokens
-        self._charge(adder, n, self._reserve(req) if whole else 0)
-        admitted.append((req, n))
-
-    def _add_one(self, adder: _Adder, req: Request, admitted: list) -> _Add:
-        hold = self.cache.acquire(radix_tokens(req), req.num_tokens - 1)   # locks the prefix (_lock_node)
-        host = self.host.hit(req, hold.cached) if self.host is not None else 0
-        extend = req.num_tokens - hold.cached - host
-        page = self.cache.page
-        total = extend + host + self._reserve(req) + page
-        if total >= self._rem_total(adder):
-            self.cache.release(hold)
-            return _Add.NO_TOKEN
-        tokens = -(-extend // page) * page
-        if tokens >= adder.rem_input and adder.count:
-            self.cache.release(hold)
-            return _Add.OTHER
-        if adder.rem_chunk is None or tokens <= adder.rem_chunk:
-            n, reserve = extend, self._reserve(req)
-        else:
-            n, reserve = adder.rem_chunk // page * page, 0
-            if n <= 0:
-                self.cache.release(hold)
-                return _Add.OTHER
-        req.engine_state = hold
-        req.num_computed_tokens = hold.cached + host
-        self._charge(adder, n, reserve)
-        if host:   # load_back: device slots for the host tokens, copied in layer by layer during the forward
-            adder.offset += host
-            self._loading_back[req.request_id] = host
-        admitted.append((req, n))
-        return self._budget_state(adder)
+    def _priority_key(self, req: Request) -> tuple[int, int]:
+        """enable_priority_scheduling: by priority (lower values first with schedule_low_priority_values_first),
+        then queue entry."""
+        sign = 1 if self.params.schedule_low_priority_values_first else -1
+        return sign * req.priority, self._entry.get(req.request_id, 0)
 
     def host_tier_stats(self) -> dict | None:
         return None if self.host is None else self.host.stats(self.dep.kv_bytes_per_token_per_device)
 
-    def _charge(self, adder: _Adder, n: int, reserve: int) -> None:
-        adder.offset += n + reserve
-        adder.rem_input -= n
-        if adder.rem_chunk is not None:
-            adder.rem_chunk -= n
-        adder.count += 1
-
-    def _budget_state(self, adder: _Adder) -> _Add:
-        if self._rem_total(adder) <= 0:
-            return _Add.NO_TOKEN
-        if adder.rem_input <= 0 or (adder.rem_chunk is not None and adder.rem_chunk <= 0):
-            return _Add.OTHER
-        return _Add.CONTINUE
-
-    def _commit_admissions(self, admitted: list, mixed: list[Request], out: SchedulerOutput, now: float) -> None:
+    def _commit_admissions(self, adder: PrefillAdder, mixed: list[Request], out: SchedulerOutput, now: float) -> None:
         """prepare_for_extend: allocate the chunks, move requests between queues, append mixed decodes."""
         cache, taken = self.cache, set()
-        for req, n in admitted:
+        for req, n in adder.admitted:
             hold = req.engine_state
-            host = self._loading_back.pop(req.request_id, 0)
+            host = adder.loading_back.get(req.request_id, 0)
             if not cache.grow(hold, n + host):     # cannot happen while the adder's accounting holds; be safe
                 if req is not self.chunked:
                     cache.release(hold)
@@ -499,38 +290,6 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             for r in mixed:
                 cache.grow(r.engine_state, 1)
                 out.scheduled.append((r, 1))
-
-    def _order_waiting(self) -> None:
-        p, q = self.params, self.waiting
-        if self.policy == "fcfs":
-            if p.enable_priority_scheduling:
-                sign = 1 if p.schedule_low_priority_values_first else -1
-                q.sort(key=lambda r: (sign * r.priority, self._entry.get(r.request_id, 0)))
-        elif self.policy == "lof":
-            q.sort(key=lambda r: -r.max_tokens)
-        elif self.policy == "lpm" and len(q) <= LPM_QUEUE_LIMIT:
-            self._sort_lpm(q)
-        elif self.policy == "dfs-weight":
-            nodes = [self.cache.match_prefix(radix_tokens(r), r.num_tokens - 1)[1] for r in q]
-            self.waiting = [q[i] for i in self.cache.dfs_weight_order(nodes)]
-
-    def _sort_lpm(self, q: list[Request]) -> None:
-        """Longest prefix match first; a request with a short tree match whose prompt already matches another
-        waiting request is deferred, so one of a group sharing a new prefix goes first (in-batch caching)."""
-        in_batch = RadixCache(1 << 62)
-        matched: dict[int, float] = {}
-        for r in q:
-            key = radix_tokens(r)
-            m = self.cache.match_prefix(key, r.num_tokens - 1)[0]
-            matched[id(r)] = -m
-            if m <= IN_BATCH_PREFIX_THRESHOLD:
-                tokens = key[:r.num_tokens]
-                if in_batch.match_prefix(tokens)[0] >= IN_BATCH_PREFIX_THRESHOLD:
-                    matched[id(r)] = float("inf")
-                else:
-                    in_batch.alloc(len(tokens))
-                    in_batch.insert(tokens)
-        q.sort(key=lambda r: matched[id(r)])
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
         if not self.running:
@@ -580,7 +339,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 break
             allocatable = self.cache.available() - NUM_RESERVED_DECODE_TOKENS * active
             need = req.prompt_len + NUM_RESERVED_DECODE_TOKENS
-            if max(need, req.prompt_len + self._reserve(req) - retractable) > allocatable:
+            if max(need, req.prompt_len + reserve_tokens(req) - retractable) > allocatable:
                 break
             hold = self.cache.acquire(req.token_ids, 0)
             if not self.cache.grow(hold, req.prompt_len):

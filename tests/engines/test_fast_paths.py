@@ -136,7 +136,7 @@ def test_exact_mode_switches_every_device_off():
     sc = dataclasses.replace(_busy("vllm", 20, {}), exact=True)
     runner = Runner(sc, sc.engines[0])
     eng = runner.engines[0]
-    assert not eng.lazy and not eng.kv.defer_output_publish and not runner.factory.mark_private
+    assert eng.cohort is None and not eng.kv.defer_output_publish and not runner.factory.mark_private
     static = Runner(dataclasses.replace(_busy("static", 5, {}), exact=True), EngineEntry(engine="static"))
     assert static.engines[0].repeat_steps(None) == 0
 

@@ -1,0 +1,261 @@
+"""A simulation speed device, not an engine mechanism: steady decodes advanced as one lazy cohort.
+
+A paged engine that schedules its running requests first, in running order, into one token budget (vLLM's V1 loop)
+can hand that part of its step to a `DecodeCohort`. A steady decode (one token a step, no KV event and not its last
+token in sight) joins the cohort, whose counters advance lazily: a step walks only the other running requests and
+prices the cohort from two sums. When the step's tokens or blocks might not fit (a cap could bind, an allocation could
+fail) the cohort is dissolved and the engine's exact per-request loop decides. Results are the same either way
+(tests/engines/test_fast_paths.py; `Scenario.exact` runs without it).
+
+What an engine declares: its step token limit, the tokens it gives a running request when the budget does not bind
+(`chunk`), and its KV manager. It calls `schedule_running`, then `order` for the requests it admitted, `context_tokens`
+for the step's shape and `stepped` in its update; `sync` writes every member's counters as of now.
+
+Counted members: those whose only KV event is taking a block when their tokens fill the last one (their own outputs'
+blocks are published at release, KVCacheManager.defer_output_publish, or never, being private, Request.private_from;
+or caching is off). A member that takes a block at step s takes one every block_size steps, so the step's takers are
+the members of phase s % block_size. Their blocks leave the pool on that step, in running order, but go to `spare` and
+reach the member's table when it leaves the cohort (block ids are labels: nothing can tell).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from simengine.core.batch import SchedulerOutput
+from simengine.core.request import Request, Status
+from simengine.kvcache.manager import KVCacheManager
+
+Ordered = tuple[int, Request]   # (running-order number, request)
+
+
+class DecodeCohort:
+    """The lazily advanced steady decodes of one engine, and the running order of the others.
+
+    A member's `Request.engine_state` is the step it joined (or was last brought up to date at)."""
+
+    def __init__(self, kv: KVCacheManager, token_limit: int, chunk: Callable[[Request, int], int] | None = None):
+        self.kv = kv
+        self.token_limit = token_limit
+        self.chunk = chunk  # tokens the engine gives a running request with n left, budget aside (None: all n)
+        self.steps_done = 0                # engine updates applied: the cohort's clock
+        self.last_step_end_s = -1.0
+        self.members: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1)
+        self.context = 0                   # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
+        self.events: dict[int, list[Ordered]] = {}  # step -> members whose blocks change or whose last token is due
+        # then (a calendar: every step's list is taken whole)
+        self.others: list[Ordered] = []    # running requests outside the cohort
+        self.num_ordered = 0               # running-order numbers handed out
+        self.phase_members: list[list[Ordered]] = [[] for _ in range(kv.block_size)]
+        self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
+        self.spare: list[int] = []         # blocks taken for counted members, not yet in their tables
+        self.in_flight = 0                 # 1 between a step that carried the cohort and its update
+
+    # ---- the engine's calls ---------------------------------------------------------------------------
+    def order(self, reqs: list[Request], *, fresh: bool) -> None:
+        """Number `reqs` in running order after every request numbered so far; `fresh` replaces the others (after a
+        step the exact loop decided: `reqs` is then the whole running list)."""
+        if not reqs and not fresh:
+            return
+        start = self.num_ordered
+        self.num_ordered += len(reqs)
+        numbered = list(zip(range(start, self.num_ordered), reqs))
+        if fresh:
+            self.others = numbered
+        else:
+            self.others += numbered
+
+    def context_tokens(self, num_lazy: int) -> int:
+        """Context tokens the step's `num_lazy` members read."""
+        return self.context + num_lazy * self.steps_done
+
+    def stepped(self, out: SchedulerOutput, itl: dict[float, int], now: float) -> None:
+        """The engine applied `out` at `now`: the clock moves, and every member's token joins the step's gaps (each
+        member's previous token came at the end of the step before)."""
+        if out.num_lazy:
+            prev = self.last_step_end_s
+            itl[prev] = itl.get(prev, 0) + out.num_lazy
+        self.last_step_end_s = now
+        self.steps_done += 1
+        self.in_flight = 0
+
+    def sync(self) -> None:
+        """Every member's counters as of now (they stay members)."""
+        for req, _ in self.members.values():
+            self._materialise(req)
+            req.engine_state = self.steps_done
+
+    def schedule_running(self, out: SchedulerOutput) -> int | None:
+        """The running-request part of a step with the cohort advanced as a whole: steady others join it, members
+        whose blocks change this step allocate (in running order, with the others), members due their last token
+        leave it and the others take their tokens. Returns the budget left, or None after dissolving the cohort when
+        the exact loop must decide (a cap could bind or an allocation fail)."""
+        self.in_flight = 0
+        step, cohort, events = self.steps_done, self.members, self.events
+        others, prev = [], self.last_step_end_s
+        kv = self.kv
+        bs = kv.block_size
+        phase_members, phase_of = self.phase_members, self.phase_of
+        uncached, defer = not kv.enable_prefix_caching, kv.defer_output_publish
+        for entry in self.others:
+            req = entry[1]
+            if req.status is not Status.RUNNING:
+                continue  # finished since
+            out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
+            if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
+                    and out_tokens + 1 < req.output_len and not req.structured and req.token_times is None):
+                cohort[req.request_id] = (req, 1)
+                req.engine_state = step
+                self.context += req.prompt_len + out_tokens - step
+                kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
+                last_in = req.output_len - 1 - out_tokens  # steps to its last token
+                if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs or req.private_from <= computed):
+                    phase = (step + kv_in) % bs  # counted: its blocks fill at steps step + kv_in + k * bs
+                    phase_members[phase].append(entry)
+                    phase_of[req.request_id] = phase
+                    when = step + last_in
+                else:  # its first event: blocks change, or last token due
+                    when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
+                events.setdefault(when, []).append(entry)
+                continue
+            others.append(entry)
+        due = self._take_due(step, others)
+        self.others = others
+        # the step fits (no cap binds, no allocation fails) when every request's tokens and new blocks do
+        budget = self.token_limit - len(cohort)
+        chunk = self.chunk
+        takers = phase_members[step % bs]  # counted members whose blocks fill: one new block each
+        needed = len(due) + len(takers)  # an evented member needs at most one block
+        scheduled, allocating = [], []
+        for order, req in others:
+            computed = req.num_computed_tokens
+            n = req.prompt_len + req.num_output_tokens - computed
+            if chunk is not None:
+                n = chunk(req, n)
+            budget -= n
+            if computed + n > req.kv_settled_tokens:
+                needed += kv.blocks_needed(req, n)
+                allocating.append((order, req, n))
+            scheduled.append((req, n))
+        pool = kv.pool
+        free = pool.num_free
+        if needed > free and due:
+            needed += sum(kv.blocks_needed(r, 1) for _, r, _ in due) - len(due)
+        if budget < 0 or needed > free:
+            self.dissolve()
+            return None
+        out.scheduled = [*cohort.values(), *scheduled]
+        out.num_lazy = len(cohort)
+        if allocating or (due and takers):  # blocks leave the pool in running order
+            allocating += due
+            allocating += [(order, req, 0) for order, req in takers]
+            allocating.sort()
+        else:
+            allocating = due
+            if takers:
+                self.spare += pool.allocate(len(takers))
+        allocate, append, spare = kv.allocate_slots, kv.append_slot, self.spare
+        for order, req, n in allocating:
+            if not n:  # a counted member's block
+                spare.append(pool.allocate_one())
+                continue
+            computed = req.num_computed_tokens
+            if computed + n > req.kv_settled_tokens and not (append(req) if n == 1 else allocate(req, n)):
+                raise RuntimeError(f"decode cohort step: allocation for request {req.request_id} failed after the "
+                                   "block check")
+            if req.engine_state is not None:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
+                kv_in = req.kv_settled_tokens - computed
+                last_in = req.output_len - 1 - req.num_output_tokens
+                events.setdefault(step + (kv_in if kv_in < last_in else last_in), []).append((order, req))
+        self.in_flight = 1 if cohort else 0  # until the update: members hold this step's blocks
+        return budget
+
+    def dissolve(self) -> None:
+        """Every member back to exact per-request scheduling (a step the cohort cannot take as a whole)."""
+        for req, _ in self.members.values():
+            self._materialise(req)
+            req.engine_state = None
+        self.members.clear()
+        self.events.clear()
+        self.context = 0
+        self.phase_of.clear()
+        for members in self.phase_members:
+            members.clear()
+
+    # ---- inside -------------------------------------------------------------------------------------------
+    def _take_due(self, step: int, others: list[Ordered]) -> list[tuple[int, Request, int]]:
+        """Members whose event is this step, in running order: those whose blocks change stay, with one token to
+        allocate; those due their last token leave for `others` (kept in running order): the exact rules finish
+        them."""
+        due: list[tuple[int, Request, int]] = []
+        now_due = self.events.pop(step, None)
+        if not now_due:
+            return due
+        if len(now_due) > 1:
+            now_due.sort()
+        prev = self.last_step_end_s
+        leavers = False
+        for order, req in now_due:
+            steps = step - req.engine_state  # _materialise's counters, inline
+            if steps:
+                req.num_computed_tokens += steps
+                req.num_output_tokens += steps
+                req.last_token_s = prev
+            req.engine_state = step
+            if req.num_output_tokens + 1 < req.output_len:
+                due.append((order, req, 1))
+                continue
+            req.engine_state = None
+            rid = req.request_id
+            del self.members[rid]
+            self.context -= req.prompt_len + req.num_output_tokens - step
+            phase = self.phase_of.pop(rid, None)
+            if phase is not None:
+                self.phase_members[phase].remove((order, req))
+                self._claim(req)
+            others.append((order, req))
+            leavers = True
+        if leavers:
+            others.sort()
+        return due
+
+    def _materialise(self, req: Request) -> None:
+        """Write a member's counters as of now, and put a counted member's blocks in its table."""
+        steps = self.steps_done - req.engine_state
+        if steps:
+            req.num_computed_tokens += steps
+            req.num_output_tokens += steps
+            req.last_token_s = self.last_step_end_s
+        if req.request_id in self.phase_of:
+            self._claim(req)
+
+    def _claim(self, req: Request) -> None:
+        """A counted member's blocks taken since it joined (or last claimed), from `spare` into its table; its
+        counters are current (and with a step in flight, its blocks also hold the token that step computes)."""
+        kv = self.kv
+        k = kv.blocks_for(req.num_computed_tokens + self.in_flight) - kv.num_blocks_of(req)
+        if k:
+            spare = self.spare
+            kv.adopt(req, spare[-k:])
+            del spare[-k:]
+
+    def check_invariants(self, running: list[Request]) -> None:
+        """Members and others are the running set (`running`: the engine's, finishing requests left out), every
+        member is a steady decode with one pending event, and the counted members' phases hold. Call after `sync`."""
+        members = [r for r, _ in self.members.values()]
+        others = [r for _, r in self.others if r.status is Status.RUNNING]
+        assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in running), \
+            "cohort and others are not the running set"
+        assert sum(map(len, self.events.values())) == len(members), "a member without its leave event"
+        assert not self.spare, "blocks taken for counted members and in no table"
+        counted = sorted(r.request_id for m in self.phase_members for _, r in m)
+        assert counted == sorted(self.phase_of), "phase lists and phase_of disagree"
+        bs = self.kv.block_size
+        for phase, m in enumerate(self.phase_members):
+            for _, r in m:
+                assert r.kv_settled_tokens == self.kv.num_blocks_of(r) * bs, "a counted member with an event"
+                assert (self.steps_done + r.kv_settled_tokens - r.num_computed_tokens) % bs == phase, "phase drift"
+        assert all(step >= self.steps_done for step in self.events), "a member stayed past its event"
+        assert all(r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens < r.output_len
+                   for r in members), "a member that is not a steady decode"
+        assert self.context + len(members) * self.steps_done == sum(r.num_tokens for r in members)

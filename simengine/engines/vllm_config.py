@@ -1,0 +1,124 @@
+"""vLLM's engine arguments, the defaults its OpenAI server derives from the device, and its KV memory sizing.
+
+Knob names are the CLI flags with dashes as underscores; defaults and their sources are from vLLM 0.33.0
+(vllm/engine/arg_utils.py, vllm/config/). The scheduler that uses them is engines/vllm.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from simengine.config.loader import MAX_TOKENS, Checked, MemoryFraction, Range, Sequences, Tokens
+from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.speculative import AcceptanceKnobs
+from simengine.errors import InputError
+from simengine.kvcache.host_tier import host_tier
+from simengine.kvcache.manager import KVCacheManager
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSpeculativeConfig(AcceptanceKnobs):
+    """--speculative-config (vllm/config/speculative.py SpeculativeConfig; the simulator's acceptance beside it)."""
+
+    method: Literal["ngram", "eagle", "eagle3", "mtp", "draft_model"]
+    # drafts per step; None: the draft's n_predict where it has one (an MTP model's MTP layers: 1), else required
+    num_speculative_tokens: Annotated[int, Range(1, 64)] | None = None
+    model: str | None = None   # the draft model of method draft_model (a catalog name here)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmParams(Checked):
+    """vLLM engine arguments (CLI flag names with dashes as underscores). Defaults from vLLM 0.33.0."""
+
+    max_num_seqs: Sequences | None = None  # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
+    max_num_batched_tokens: Tokens | None = None   # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
+    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py (0.9 before 0.33)
+    block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
+    enable_prefix_caching: bool = True             # config/cache.py
+    long_prefill_token_threshold: Annotated[int, Range(0, MAX_TOKENS)] = 0  # config/scheduler.py (0 = off)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
+    max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
+    enforce_eager: bool = False                    # disables CUDA graphs
+    async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU and
+    # schedules step k+1 before step k's output is applied (v1/core/sched/async_scheduler.py)
+    kv_cache_memory_bytes: Annotated[int, Range(1, 2**50)] | None = None  # overrides the gpu_memory_utilization rule
+    # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
+    # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
+    num_scheduler_steps: Annotated[int, Range(1, 1024)] = 1
+    # speculative decoding (engines/speculative.py); V1 keeps no disable_by_batch_size (unused since V0 was removed
+    # in 0.10 and deleted by PR #35060), so drafts run at every batch size
+    speculative_config: VllmSpeculativeConfig | None = None
+    # KV offload to CPU memory (config/cache.py CacheConfig, since 0.11.1; vllm/config/vllm.py maps it to a KV
+    # connector): GiB in all, summed over the TP x PP ranks; None: off. native (the default from 0.14): the
+    # OffloadingConnector's CPU tier, LRU, storing every computed full block; lmcache: LMCacheConnectorV1, storing
+    # prompt blocks. A prompt continuing a GPU hit in the CPU tier loads those blocks back asynchronously
+    # (WAITING_FOR_REMOTE_KVS) before it runs (docs/engines.md 'KV offload')
+    kv_offloading_size: Annotated[float, Range(0, 1 << 20, above=True)] | None = None
+    kv_offloading_backend: Literal["native", "lmcache"] = "native"
+    # LMCache's local disk tier (lmcache/v1/config.py max_local_disk_size, env LMCACHE_MAX_LOCAL_DISK_SIZE, GiB per
+    # worker; local_disk set): what the CPU tier evicts goes to disk, and is read back from there
+    lmcache_max_local_disk_size: Annotated[float, Range(0, 1 << 30)] = 0.0
+    # multi-LoRA serving (config/lora.py LoRAConfig; engines/lora.py): adapters active at once, the rank their slots
+    # are sized for, and adapters cached in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: Annotated[int, Range(1, 1024)] = 1
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    max_cpu_loras: Annotated[int, Range(1, 1 << 20)] | None = None
+
+
+def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server picks for this device."""
+    mem_gib = dep.hardware.memory_bytes / GIB
+    is_a100 = dep.hardware.name.startswith("a100")
+    if mem_gib >= 160:
+        return 1024, 16384
+    if mem_gib >= 70 and not is_a100:
+        return 1024, 8192
+    return 256, 2048
+
+
+def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
+    """CUDA-graph capture sizes: 1,2,4, 8..248 step 8, 256.. step 16, up to min(2*max_num_seqs, 512)."""
+    limit = min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, limit + 1, 16))
+    out = sorted({s for s in sizes if s <= limit} | ({max_batched} if max_batched <= limit else set()))
+    return tuple(out)
+
+
+def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, max_num_seqs: int) -> KVCacheManager:
+    """The paged KV pool vLLM sizes on this deployment (gpu_worker.determine_available_memory: the utilisation share of
+    memory less weights, the profiled activation peak and non-torch memory; or kv_cache_memory_bytes), with the CPU
+    and disk offload tiers its params ask for."""
+    if p.kv_cache_memory_bytes:
+        kv_bytes = float(p.kv_cache_memory_bytes)
+        rule = "kv_cache_memory_bytes"
+    else:
+        kv_bytes = (p.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
+                    - activation_reserve_bytes(dep, max_num_batched_tokens, max_num_seqs) - NON_TORCH_BYTES)
+        rule = f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory"
+    tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="vllm", rule=rule)
+    num_blocks = tokens // p.block_size
+    if num_blocks > 50_000_000:  # more than any device holds (a B200 has ~13M 16-token blocks of Llama-8B)
+        raise InputError(f"a KV pool of {kv_bytes / 2**30:.0f} GiB is beyond any device; give "
+                         "kv_cache_memory_bytes in bytes of one device's KV cache", field="kv_cache_memory_bytes")
+    if p.max_model_len and p.max_model_len > dep.model.max_model_len:
+        raise InputError(f"max_model_len {p.max_model_len} exceeds {dep.model.name}'s context of "
+                         f"{dep.model.max_model_len} tokens (vLLM refuses it without "
+                         f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
+    kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=p.enable_prefix_caching)
+    if p.kv_offloading_size:
+        # native: cpu_bytes_to_use, the whole size over the TP x PP ranks, every computed block stored;
+        # lmcache: max_local_cpu_size = size / (TP x PP) per worker, prompt blocks only (save_decode_cache off)
+        kv.attach_host(host_tier(dep, p.kv_offloading_size * GIB / dep.num_devices, p.block_size,
+                                 write_through=True, field="kv_offloading_size", caching=p.enable_prefix_caching,
+                                 prompt_only=p.kv_offloading_backend == "lmcache"))
+    if p.lmcache_max_local_disk_size:
+        if p.kv_offloading_backend != "lmcache" or kv.host is None:
+            raise InputError("a local disk tier is LMCache's: set kv_offloading_backend: lmcache and "
+                             "kv_offloading_size", field="lmcache_max_local_disk_size")
+        kv.host.spill = host_tier(dep, p.lmcache_max_local_disk_size * GIB, p.block_size,
+                                  write_through=False, field="lmcache_max_local_disk_size")
+    return kv
