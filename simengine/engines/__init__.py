@@ -1,4 +1,5 @@
-"""Engine policies, one module each; importing this package registers every module's engine in ENGINES."""
+"""Engine policies, one scheduler module each (with its config and helper modules); importing this package registers
+every module's engine in ENGINES."""
 
 import importlib
 import pkgutil

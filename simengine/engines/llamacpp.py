@@ -15,32 +15,26 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import numpy as np
 
-from simengine.config.loader import MAX_TOKENS, Checked, Range, Sequences, Share, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
-from simengine.engines.devices import ALL_CLASSES, gpu_visible_bytes, launch_cost_s, refuse_gaudi
-from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
-from simengine.engines.speculative import (
-    AcceptanceDataset,
-    AcceptanceKnobs,
-    AcceptanceRates,
-    Speculation,
-    resolve,
-    with_proposer,
+from simengine.engines.devices import ALL_CLASSES, launch_cost_s
+from simengine.engines.llamacpp_config import (
+    MIB,
+    LlamaCppParams,
+    llamacpp_check_deployment,
+    llamacpp_fit_ctx,
+    llamacpp_speculation,
 )
-from simengine.errors import CannotRun, InputError
+from simengine.engines.llamacpp_prompt_cache import PromptRamCache, common_prefix
+from simengine.engines.memory import Deployment
+from simengine.engines.speculative import Speculation, with_proposer
 
-MIB = 2**20
 EMPTY = np.zeros(0, dtype=np.int32)
-# ESTIMATE: driver context outside ggml's buffers (CUDA context 0.3-0.5 GiB; Metal/Vulkan/OpenCL similar).
-DRIVER_CONTEXT_BYTES = 0.4 * GIB
-GGUF_WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "mxfp4")  # ggml tensor types llama.cpp runs
 # ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
 # tensor-core tiles, dequantised per block in registers) for batches over 8; 16/32-bit weights go to cuBLAS.
 MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
@@ -51,52 +45,6 @@ MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
 # SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
 # predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
 MMQ_FLOPS_PER_SM_CYCLE = 448.0
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:  # most cached prompts differ at once: skip the array comparison
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
-@dataclass(frozen=True, kw_only=True)
-class LlamaCppParams(Checked):
-    """llama-server flags (long names, dashes as underscores). Defaults from common/common.h at 001d906."""
-
-    n_parallel: Sequences | None = None  # -np; None (or 1 without -kvu): 4 slots, unified KV (server.cpp, #16736)
-    kv_unified: bool | None = None       # -kvu; None: true when n_parallel was auto-set (same)
-    # -c; 0: the model's training context, shrunk by --fit (common.h n_ctx)
-    ctx_size: Annotated[int, Range(0, MAX_TOKENS)] = 0
-    fit: bool = True                     # --fit (common.h fit_params)
-    # --fit-target: MiB --fit leaves free per device (common.h fit_params_target)
-    fit_target: Annotated[int, Range(0, 1 << 24)] = 1024
-    fit_ctx: Tokens = 4096               # --fit-ctx: smallest n_ctx --fit shrinks to (common.h fit_params_min_ctx)
-    batch_size: Tokens = 2048            # -b: logical batch n_batch (common.h)
-    ubatch_size: Tokens = 512            # -ub: physical batch n_ubatch (common.h)
-    cont_batching: bool = True           # -cb (common.h cont_batching)
-    context_shift: bool = False          # --context-shift (common.h ctx_shift)
-    cache_prompt: bool = True            # request field cache_prompt, on by default (common.h)
-    # --cache-ram: MiB of host prompt cache, -1 no limit, 0 off (common.h)
-    cache_ram: Annotated[int, Range(0, 1 << 30, also=(-1,))] = 8192
-    cache_idle_slots: bool = True        # --cache-idle-slots: save idle slots to the RAM cache (common.h)
-    slot_prompt_similarity: Share = 0.1  # -sps; 0 disables similarity-based slot choice (common.h)
-    # speculative decoding with a draft model (-md / --spec-draft-model; a catalog name here): each generating slot
-    # drafts up to spec_draft_n_max tokens with it, one slot at a time, and the iteration verifies them
-    # (common.h common_params_speculative_draft n_max = 3 at 001d906; --draft-max, default 16, in older builds)
-    model_draft: str | None = None
-    spec_draft_n_max: Annotated[int, Range(1, 256)] = 3
-    # the simulator's acceptance model (engines/speculative.py AcceptanceKnobs), not llama.cpp flags
-    spec_acceptance: AcceptanceRates = None
-    spec_acceptance_dataset: AcceptanceDataset = "chat"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.context_shift:
-            raise InputError("true is not modelled (shifting discards KV mid-sequence, which the simulator's token "
-                             "accounting cannot represent); leave the default false", field="context_shift")
 
 
 @dataclass(slots=True, eq=False)
@@ -113,20 +61,6 @@ class _Slot:
         return self.req.num_computed_tokens if self.req is not None else len(self.cache)
 
 
-def _check_deployment(dep: Deployment) -> None:
-    refuse_gaudi(dep.hardware, "llama.cpp")
-    if dep.weight_format.name not in GGUF_WEIGHT_DTYPES:
-        raise InputError(f"llama.cpp runs GGUF weights; '{dep.weight_format.name}' has no ggml type; valid: "
-                         f"{', '.join(GGUF_WEIGHT_DTYPES)} (q8_0/q4_0 are the 8- and 4-bit GGUF formats)",
-                         field="deployment.weight_dtype")
-    if dep.kv_dtype == "fp8":
-        raise InputError("llama.cpp has no fp8 KV cache type (-ctk/-ctv: f16, bf16, q8_0, q4_0, ...); use bf16, "
-                         "int8 (~q8_0) or int4 (~q4_0)", field="deployment.kv_dtype")
-    if dep.tp > 1:
-        raise InputError("llama.cpp splits layers across devices (--split-mode layer, the default), not tensors; "
-                         "use deployment.pp instead of tp", field="deployment.tp")
-
-
 @ENGINES.register("llamacpp")
 class LlamaCppEngine(EnginePolicy):
     Params = LlamaCppParams
@@ -137,13 +71,13 @@ class LlamaCppEngine(EnginePolicy):
                       "(Ascend NPU); no Gaudi backend")
 
     def __init__(self, params: LlamaCppParams, dep: Deployment):
-        _check_deployment(dep)
+        llamacpp_check_deployment(dep)
         p = params
         dep = with_proposer(dep, self.speculation_of(p, dep))   # the draft model's weights and KV fit first
         auto = p.n_parallel in (None, 1) and not p.kv_unified
         self.n_parallel = 4 if auto else p.n_parallel
         self.kv_unified = True if auto else bool(p.kv_unified)
-        self.n_ctx = self._fit_ctx(p, dep)
+        self.n_ctx = llamacpp_fit_ctx(p, dep)
         per_slot = self.n_ctx if self.kv_unified else self.n_ctx // self.n_parallel
         self.n_ctx_slot = min(per_slot, dep.model.max_model_len)     # server-context.cpp n_ctx_slot()
         self.n_batch = min(p.batch_size, self.n_ctx)                  # llama_context: causal n_batch <= n_ctx
@@ -155,41 +89,16 @@ class LlamaCppEngine(EnginePolicy):
         self.num_busy = 0                                        # slots processing a task
         self.queue: deque[Request] = deque()
         self.plan: deque[list[tuple[Request, int]]] = deque()   # the current iteration's remaining forwards
-        self.ram: list[np.ndarray] = []                          # host prompt cache, oldest first
-        self.ram_heads: list[int] = []  # each entry's first token: only an entry sharing it can share a prefix
         state_bytes = dep.model.kv_bytes_per_token(dep.kv_elem_bytes)
-        self.ram_limit = (0 if p.cache_ram == 0 else float("inf") if p.cache_ram < 0
-                          else p.cache_ram * MIB / state_bytes)   # in tokens
+        self.ram = PromptRamCache(0 if p.cache_ram == 0 else float("inf") if p.cache_ram < 0
+                                  else p.cache_ram * MIB / state_bytes)   # --cache-ram in tokens
         self.clock = 0
-        self.query_tokens = self.hit_tokens = self.ram_restored_tokens = 0
+        self.query_tokens = self.hit_tokens = 0
         self.num_truncated = 0
 
     @classmethod
     def speculation_of(cls, params: LlamaCppParams, dep: Deployment) -> Speculation | None:
-        p = params
-        if p.model_draft is None:
-            return None
-        knobs = AcceptanceKnobs(acceptance=p.spec_acceptance, acceptance_dataset=p.spec_acceptance_dataset)
-        return resolve("draft_model", p.spec_draft_n_max, knobs, target=dep.model, at="model_draft",
-                       draft_model=p.model_draft, model_field="model_draft", batched_drafts=False)
-
-    def _fit_ctx(self, p: LlamaCppParams, dep: Deployment) -> int:
-        """n_ctx cells: the training context (or -c), shrunk by --fit to what device memory holds (>= fit_ctx)."""
-        want = p.ctx_size or dep.model.max_model_len
-        fixed = (dep.weight_bytes_per_device + DRIVER_CONTEXT_BYTES + p.fit_target * MIB * p.fit
-                 + activation_reserve_bytes(dep, min(p.ubatch_size, p.batch_size), p.ubatch_size))  # compute buffer
-        room = int((gpu_visible_bytes(dep.hardware) - fixed) // dep.kv_bytes_per_token_per_device)
-        if want <= room:
-            return want
-        if p.fit and not p.ctx_size and room >= p.fit_ctx:
-            return room
-        hw = dep.hardware
-        raise CannotRun(
-            f"{dep.model.name} with n_ctx {want if p.ctx_size else p.fit_ctx} does not fit on {hw.name} with "
-            f"llama.cpp: weights {dep.weight_bytes_per_device / GIB:.1f} GiB of "
-            f"{gpu_visible_bytes(hw) / GIB:.1f} GiB usable leave room for {max(room, 0)} KV cells; --fit would move "
-            f"layers to the CPU (not modelled): use a smaller weight_dtype (q4_0), a smaller ctx_size or more devices",
-            field="deployment")
+        return llamacpp_speculation(params, dep)
 
     def engine_gemm_flops_s(self) -> float | None:
         """ggml-cuda's MMQ rate for quantized weights on an NVIDIA device of known SMs and clock (else None)."""
@@ -322,10 +231,10 @@ class LlamaCppEngine(EnginePolicy):
                 if best is None or s.last_used <= best.last_used:
                     best = s
             update_cache = True
-        if update_cache and self.ram_limit:
-            self._ram_save(best.cache)
+        if update_cache and self.ram.limit_tokens:
+            self.ram.save(best.cache)
             self._ram_load(best, prompt)
-            self._ram_evict()
+            self.ram.evict()
         return best
 
     def _launch(self, slot: _Slot, req: Request, now: float) -> None:
@@ -340,13 +249,13 @@ class LlamaCppEngine(EnginePolicy):
         slot.req, slot.cache = req, EMPTY
         self.num_busy += 1
         self.mark_scheduled(req, now)
-        if self.params.cache_idle_slots and self.ram_limit:
+        if self.params.cache_idle_slots and self.ram.limit_tokens:
             for s in self.slots:
                 if s.req is None and len(s.cache):
-                    self._ram_save(s.cache)
+                    self.ram.save(s.cache)
                     if self.kv_unified:
                         s.cache = EMPTY  # [TAG_IDLE_SLOT_CLEAR]: the cells go back to the shared pool
-            self._ram_evict()
+            self.ram.evict()
 
     def _plan_iteration(self, out: SchedulerOutput) -> None:
         entries = [(s.req, 1) for s in self.slots if s.req is not None and s.req.num_output_tokens]
@@ -425,53 +334,14 @@ class LlamaCppEngine(EnginePolicy):
             pieces.append(list(cur.items()))
         return pieces
 
-    # ---- host-RAM prompt cache (server_prompt_cache) -----------------------------------------------------
-    def _ram_save(self, tokens: np.ndarray) -> None:
-        """alloc(): skip a state already contained in an entry, drop entries the new state contains."""
-        if not len(tokens):
-            return
-        head = int(tokens[0])
-        if head in self.ram_heads:  # else no entry shares a token with it: none contains it or is contained
-            keep = []
-            for e in self.ram:
-                lcp = common_prefix(e, tokens)
-                if lcp == len(tokens):
-                    return
-                if lcp < len(e):
-                    keep.append(e)
-            self.ram = keep
-            self.ram_heads = [int(e[0]) for e in keep]
-        self.ram.append(tokens)
-        self.ram_heads.append(head)
-
     def _ram_load(self, slot: _Slot, prompt: np.ndarray) -> None:
-        """load(): the entry beating the slot on both kept fraction and similarity (>= 25% kept) moves in."""
-        lcp = common_prefix(slot.cache, prompt)
-        f_keep = lcp / len(slot.cache) if len(slot.cache) else -1.0
-        sim = lcp / len(prompt)
-        best = None
-        for i, e in enumerate(self.ram if int(prompt[0]) in self.ram_heads else ()):  # others share nothing
-            lcp = common_prefix(e, prompt)
-            fk, fs = lcp / len(e), lcp / len(prompt)
-            if fk >= 0.25 and f_keep < fk and sim < fs:
-                best, f_keep, sim = i, fk, fs
-        if best is None:
+        """load(): the RAM entry that beats the slot's cells moves in, if the cells can hold it (else the restore
+        fails: prompt_clear(), and the entry stays cached)."""
+        i = self.ram.best(slot.cache, prompt)
+        if i is None:
             return
-        entry = self.ram[best]
         room = self.n_ctx_slot if not self.kv_unified else min(self.n_ctx_slot, self._free_cells() + slot.cells)
-        if len(entry) > room:
-            slot.cache = EMPTY  # state restore failed: prompt_clear(); the entry stays cached
-            return
-        del self.ram[best], self.ram_heads[best]
-        slot.cache = entry
-        self.ram_restored_tokens += len(entry)
-
-    def _ram_evict(self) -> None:
-        """update(): drop the oldest entries beyond --cache-ram, always keeping one."""
-        total = sum(len(e) for e in self.ram)
-        while len(self.ram) > 1 and total > self.ram_limit:
-            total -= len(self.ram.pop(0))
-            self.ram_heads.pop(0)
+        slot.cache = self.ram.take(i) if len(self.ram.entries[i]) <= room else EMPTY
 
     def check_invariants(self) -> None:
         cells = [s.cells for s in self.slots]
@@ -479,6 +349,4 @@ class LlamaCppEngine(EnginePolicy):
         assert all(c <= self.n_ctx_slot for c in cells), "a slot holds more than n_ctx_slot cells"
         assert self.num_busy == sum(1 for s in self.slots if s.req is not None) <= self.n_parallel
         assert all(n <= self.n_ubatch for piece in self.plan for _, n in piece)
-        assert self.ram_heads == [int(e[0]) for e in self.ram], "RAM cache heads out of step"
-        if len(self.ram) > 1:
-            assert sum(len(e) for e in self.ram) <= self.ram_limit, "RAM prompt cache over --cache-ram"
+        self.ram.check_invariants()

@@ -14,92 +14,27 @@ later. CUDA graphs cover generation-only batches of captured sizes (1..31, 32, 6
 
 from __future__ import annotations
 
-import math
 from bisect import insort
 from dataclasses import dataclass
-from typing import Annotated, Literal
 
-from simengine.config.loader import (
-    BlockTokens,
-    Checked,
-    MemoryFraction,
-    PoolSize,
-    Range,
-    Sequences,
-    Tokens,
-)
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine, StepResult
-from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
-from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
+from simengine.engines.memory import Deployment
+from simengine.engines.speculative import Speculation
+from simengine.engines.trtllm_config import (
+    GGML_FORMATS,
+    TrtllmParams,
+    trtllm_capture_sizes,
+    trtllm_kv_cache,
+    trtllm_speculation,
+)
+from simengine.engines.trtllm_reuse import ContextReuse
 from simengine.errors import InputError
-from simengine.kvcache.hashing import block_hashes
-from simengine.kvcache.host_tier import host_tier
-from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
+from simengine.kvcache.manager import NO_HIT, PrefixHit
 
-CapacityPolicy = Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
-GGML_FORMATS = ("q4_0", "q8_0")
 _OVERLAP_TAIL = "overlap_tail"   # engine_state of a request finished on the GPU, awaiting its extra overlap step
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrtllmSpeculativeConfig(AcceptanceKnobs):
-    """speculative_config (llmapi/llm_args.py: Eagle3DecodingConfig, MTPDecodingConfig, NGramDecodingConfig,
-    DraftTargetDecodingConfig; PyTorch backend) and the simulator's acceptance beside it."""
-
-    decoding_type: Literal["Eagle3", "MTP", "NGram", "DraftTarget"]
-    max_draft_len: Annotated[int, Range(1, 64)] | None = None  # DecodingBaseConfig; required except MTP
-    num_nextn_predict_layers: Annotated[int, Range(1, 64)] = 1  # MTPDecodingConfig: MTP's drafts
-    # DecodingBaseConfig.max_concurrency: speculation off at batch sizes above it (draft_len_schedule); None: always
-    max_concurrency: Annotated[int, Range(1, 1 << 20)] | None = None
-    speculative_model_dir: str | None = None  # DraftTarget's draft model (a catalog name here)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrtllmParams(Checked):
-    """TensorRT-LLM LLM-API arguments (tensorrt_llm/llmapi/llm_args.py, 1.x); nested configs flattened to leaves."""
-
-    max_batch_size: Sequences = 2048                # BaseLlmArgs.max_batch_size (llm_args.py)
-    max_num_tokens: Tokens = 8192                   # BaseLlmArgs.max_num_tokens (llm_args.py)
-    max_seq_len: Tokens | None = None               # None: the model's max_position_embeddings, capped to the KV pool
-    enable_chunked_prefill: bool = False            # BaseLlmArgs.enable_chunked_prefill (llm_args.py)
-    capacity_scheduler_policy: CapacityPolicy = "GUARANTEED_NO_EVICT"  # scheduler_config (llm_args.py SchedulerConfig)
-    free_gpu_memory_fraction: MemoryFraction = 0.9  # kv_cache_config (KvCacheConfig): fraction of FREE memory
-    tokens_per_block: BlockTokens = 32              # kv_cache_config.tokens_per_block (KvCacheConfig)
-    enable_block_reuse: bool = True                 # kv_cache_config.enable_block_reuse (KvCacheConfig)
-    # kv_cache_config.max_tokens: an upper bound on the pool (KvCacheConfig)
-    kv_cache_max_tokens: PoolSize | None = None
-    disable_overlap_scheduler: bool = False         # llm_args.py; docs features/overlap-scheduler ("on by default")
-    cuda_graph_config: bool = True  # llm_args.py: CudaGraphConfig() by default; null/false disables graphs
-    cuda_graph_max_batch_size: Sequences = 128      # CudaGraphConfig.max_batch_size (0 -> 128)
-    cuda_graph_enable_padding: bool = False         # CudaGraphConfig.enable_padding
-    speculative_config: TrtllmSpeculativeConfig | None = None  # BaseLlmArgs.speculative_config (None: off)
-    # kv_cache_config.host_cache_size: bytes of host memory per GPU for the secondary block pool (None/0: off);
-    # blocks the GPU pool evicts are offloaded there and onboarded when a prompt reuses them (KvCacheConfig)
-    host_cache_size: Annotated[int, Range(0, 1 << 50)] | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.enable_chunked_prefill and self.max_num_tokens < self.tokens_per_block:
-            raise InputError(f"must be >= tokens_per_block ({self.tokens_per_block}) when chunks end on blocks, "
-                             f"got {self.max_num_tokens}", field="max_num_tokens")
-
-
-def trtllm_capture_sizes(max_bs: int, padding: bool) -> tuple[int, ...]:
-    """CudaGraphConfig._generate_cuda_graph_batch_sizes (llm_args.py): 1..31,32,64,128 or 1,2,4,8..128 (+64)."""
-    if padding:
-        sizes = [1, 2, 4] + [8 * i for i in range(1, 17)]
-        while sizes[-1] + 64 <= max_bs:
-            sizes.append(sizes[-1] + 64)
-    else:
-        sizes = list(range(1, 32)) + [32, 64, 128]
-        sizes += [2**i for i in range(8, math.ceil(math.log2(max_bs)))] if max_bs > 1 else []
-    out = sorted({s for s in sizes if s <= max_bs})
-    if not out or out[-1] != max_bs:
-        out.append(max_bs)
-    return tuple(out)
 
 
 def _order(req: Request) -> tuple[float, int]:
@@ -147,39 +82,18 @@ class TrtllmEngine(PagedEngine):
         self.overlap = not p.disable_overlap_scheduler
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
-        # KV estimation: a profiling forward of max_num_tokens, then free_gpu_memory_fraction of what is left free
-        free = (dep.hardware.memory_bytes - dep.weight_bytes_per_device
-                - activation_reserve_bytes(dep, p.max_num_tokens, p.max_batch_size) - NON_TORCH_BYTES)
-        rule = f"free_gpu_memory_fraction={p.free_gpu_memory_fraction} of free memory after weights and activations"
-        tokens = kv_tokens_or_refuse(dep, p.free_gpu_memory_fraction * free, engine="trtllm", rule=rule)
-        if p.kv_cache_max_tokens:
-            tokens = min(tokens, p.kv_cache_max_tokens)
-        num_blocks = max(1, tokens // p.tokens_per_block)
-        self.kv = KVCacheManager(num_blocks, p.tokens_per_block, enable_prefix_caching=p.enable_block_reuse)
+        self.kv = trtllm_kv_cache(p, dep)
+        num_blocks = self.kv.num_blocks
         self.max_model_len = min(p.max_seq_len or dep.model.max_model_len, num_blocks * p.tokens_per_block)
         self.running: list[Request] = []   # started (holding KV), arrival order; includes overlap tails
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
-        self._produced: set[int] = set()   # block keys contexts compute this step (not reusable until done)
+        self.reuse = ContextReuse(self.kv)   # beneficialToSkip and the blocks contexts produce this step
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
         self.onboarded = 0                    # tokens this step copies in from the host pool
-        if p.host_cache_size:
-            self.kv.attach_host(host_tier(dep, p.host_cache_size, p.tokens_per_block, write_through=False,
-                                          field="host_cache_size", caching=p.enable_block_reuse))
 
     @classmethod
     def speculation_of(cls, params: TrtllmParams, dep: Deployment) -> Speculation | None:
-        c = params.speculative_config
-        if c is None:
-            return None
-        if c.decoding_type == "MTP":
-            k = c.num_nextn_predict_layers
-        elif c.max_draft_len is None:
-            raise InputError(f"{c.decoding_type} needs max_draft_len > 0", field="speculative_config.max_draft_len")
-        else:
-            k = c.max_draft_len
-        method = {"Eagle3": "eagle3", "MTP": "mtp", "NGram": "ngram", "DraftTarget": "draft_model"}[c.decoding_type]
-        return resolve(method, k, c, target=dep.model, at="speculative_config", draft_model=c.speculative_model_dir,
-                       model_field="speculative_model_dir", max_batch=c.max_concurrency)
+        return trtllm_speculation(params, dep)
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -244,7 +158,7 @@ class TrtllmEngine(PagedEngine):
         # Invariant: tokens <= max_num_tokens and requests <= max_batch_size per step; under GUARANTEED_NO_EVICT
         # and STATIC_BATCH free blocks always cover what every started request still needs to completion.
         out = SchedulerOutput()
-        self._produced.clear()
+        self.reuse.produced.clear()
         if self.gen_init:
             self._prepare_gen_init(out)
         if self.policy == "MAX_UTILIZATION":
@@ -342,7 +256,7 @@ class TrtllmEngine(PagedEngine):
             n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
             if n <= 0 or not budget.take(charge):
                 break
-            self._note_produced(req, n)
+            self.reuse.note_produced(req, n)
             self._run(req, n, out)
         return budget
 
@@ -351,24 +265,24 @@ class TrtllmEngine(PagedEngine):
         if not self.waiting:
             return
         avail = self._available_blocks()
-        keys = self._contributed_keys()
+        keys = self.reuse.contributed_keys(self.running)
         i = 0
         while i < len(self.waiting) and budget.slots > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[i]
-            hit = self._lookup(req)
+            hit = self.reuse.lookup(req)
             # blocks of the prompt past the GPU hit that sit in the secondary (host) pool are onboarded: new blocks,
             # copied in before this step's forward, and reused as if they had stayed (kv_cache_config.host_cache_size)
             host = sum(self.kv.host_hit(req, hit)) if self.kv.host is not None and not req.num_computed_tokens else 0
             reused = PrefixHit(hit.blocks, hit.num_tokens + host) if host else hit
-            key = self._first_new_block(req, reused)
+            key = self.reuse.first_new_block(req, reused)
             if key is not None and key in keys:   # beneficialToSkip: reuse that block next step instead
-                self._unlookup(req, hit)
+                self.reuse.unlookup(req, hit)
                 i += 1
                 continue
             need = self.kv.blocks_for(self._reserve_tokens(req))
             n, charge = self._context_tokens(req, reused, budget.tokens)
             if need > avail or n <= 0 or not budget.take(charge):
-                self._unlookup(req, hit)
+                self.reuse.unlookup(req, hit)
                 break  # the first request that does not fit stops admission
             if not self.kv.allocate_slots(req, n, reused):
                 raise RuntimeError(f"trtllm: {req} passed the reservation check but got no blocks")
@@ -385,7 +299,7 @@ class TrtllmEngine(PagedEngine):
         if key is not None:
             keys.add(key)
         req.num_computed_tokens += hit.num_tokens
-        self._note_produced(req, n)
+        self.reuse.note_produced(req, n)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit.num_tokens
         self.mark_scheduled(req, now)
@@ -396,15 +310,15 @@ class TrtllmEngine(PagedEngine):
         """One fused pass in arrival order: admit on next-step blocks, pause the newest started when short."""
         budget = _Budget(self.max_num_tokens, self.max_batch_size)
         order = sorted(self.running + self.waiting, key=_order)
-        keys = self._contributed_keys()
+        keys = self.reuse.contributed_keys(self.running)
         i, end = 0, len(order)
         while i < end:
             req = order[i]
             started = req.status is Status.RUNNING
-            hit = NO_HIT if started else self._lookup(req)
-            key = None if started else self._first_new_block(req, hit)
+            hit = NO_HIT if started else self.reuse.lookup(req)
+            key = None if started else self.reuse.first_new_block(req, hit)
             if key is not None and key in keys:   # beneficialToSkip
-                self._unlookup(req, hit)
+                self.reuse.unlookup(req, hit)
                 i += 1
                 continue
             if req.is_decoding:
@@ -412,26 +326,26 @@ class TrtllmEngine(PagedEngine):
             else:
                 n, charge = self._context_tokens(req, hit, budget.tokens)
             if not started and charge > self.max_num_tokens:   # a paused context grown past the budget
-                self._unlookup(req, hit)
+                self.reuse.unlookup(req, hit)
                 self._drop(req, out, "paused request's prompt + generated tokens exceed max_num_tokens "
                                      "and enable_chunked_prefill is False")
                 i += 1
                 continue
             full = not started and len(self.running) >= self.max_batch_size
             if n <= 0 or full or charge > budget.tokens or budget.slots <= 0:
-                self._unlookup(req, hit)
+                self.reuse.unlookup(req, hit)
                 break  # a token-budget failure ends the fused walk (scheduler/design.md §4.1.1)
             if self.kv.allocate_slots(req, n, hit):
                 budget.take(charge)
                 if started:
                     if not req.is_decoding:
-                        self._note_produced(req, n)
+                        self.reuse.note_produced(req, n)
                     out.scheduled.append((req, n))
                 else:
                     self._admit(req, n, hit, key, keys, now, out)
                 i += 1
                 continue
-            self._unlookup(req, hit)
+            self.reuse.unlookup(req, hit)
             end = self._pause_last_started(order, i, end, out)
             if end < 0:
                 break
@@ -456,47 +370,6 @@ class TrtllmEngine(PagedEngine):
                 insort(self.waiting, victim, key=_order)
                 return j
         return -1
-
-    # ---- block reuse --------------------------------------------------------------------------------
-    def _lookup(self, req: Request) -> PrefixHit:
-        """Reusable prefix, cut at the first block another context is only computing this step."""
-        if req.num_computed_tokens:
-            return NO_HIT
-        hit = self.kv.get_computed_blocks(req)
-        if not hit.blocks:
-            return hit
-        for i, key in enumerate(block_hashes(req, self.kv.block_size)[:len(hit.blocks)]):
-            if key in self._produced:
-                self.kv.hit_tokens -= hit.num_tokens - i * self.kv.block_size
-                return PrefixHit(hit.blocks[:i], i * self.kv.block_size)
-        return hit
-
-    def _note_produced(self, req: Request, n: int) -> None:
-        if self.kv.enable_prefix_caching:
-            bs, start, end = self.kv.block_size, req.num_computed_tokens, req.num_computed_tokens + n
-            self._produced.update(block_hashes(req, bs)[start // bs:end // bs])
-
-    def _unlookup(self, req: Request, hit: PrefixHit) -> None:
-        """Un-count a lookup that did not lead to admission (the hit rate counts admissions only)."""
-        if self.kv.enable_prefix_caching and req.num_computed_tokens == 0:
-            self.kv.query_tokens -= req.num_tokens
-            self.kv.hit_tokens -= hit.num_tokens
-
-    def _first_new_block(self, req: Request, hit: PrefixHit) -> int | None:
-        """Key of the first full prompt block not in the cache (findNewContextBlock), or None."""
-        bs = self.kv.block_size
-        idx, full = len(hit.blocks) + req.num_computed_tokens // bs, req.prompt_len // bs
-        if not self.kv.enable_prefix_caching or idx >= full:
-            return None
-        return block_hashes(req, bs)[idx]
-
-    def _contributed_keys(self) -> set[int]:
-        """Blocks that contexts already chunking will produce (prefillWithChunkedContextsAlreadyExecuting)."""
-        keys = set()
-        for req in self.running:
-            if req.num_output_tokens == 0 and (key := self._first_new_block(req, NO_HIT)) is not None:
-                keys.add(key)
-        return keys
 
     def check_invariants(self) -> None:
         self.kv.pool.check_invariants()
