@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from simengine.core.request import Request
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.vllm import VllmEngine, VllmParams
 from simengine.kvcache.manager import KVCacheManager
 from tests.conformance.traces import Trace, make_trace
@@ -42,6 +43,8 @@ def make_engine(t: Trace, mode: str) -> VllmEngine:
     # the trace's pool instead of one sized from device memory: vLLM's num_blocks less its null block
     eng.kv = KVCacheManager(t.num_blocks - 1, t.block_size, enable_prefix_caching=t.enable_prefix_caching)
     eng.kv.defer_output_publish = eng.defer_output_publish
+    if eng.cohort is not None:   # the cohort keys on the pool it advances
+        eng.cohort = DecodeCohort(eng.kv, eng.cohort.token_limit, eng.cohort.chunk)
     eng.max_model_len = t.max_model_len
     return eng
 
