@@ -195,6 +195,91 @@ class MlcEngine(EnginePolicy):
                             f"finish_reason=length at max_single_sequence_length {self.max_model_len}")
         return res
 
+    def repeat_steps(self, out: SchedulerOutput) -> int:
+        """Every running request decoding, and no waiting or arriving request able to prefill (the batch is full, or
+        the queue head does not fit: decodes only tighten the space checks): until a decode finishes, reaches
+        max_single_sequence_length or the pages run short, each step is the same BatchDecode. With recycling
+        sequences kept, the head's space check must also hold throughout, or a schedule call would free one
+        (TryFreeMemory) where a repeat would not."""
+        c, n = self.cfg, len(out.scheduled)
+        if self.prefilling or n != len(self.running) or out.shape.prefill_chunks:
+            return 0
+        steps = self.max_model_len
+        for req, k in out.scheduled:
+            outputs = req.num_output_tokens
+            if k != 1 or not outputs or req.status is not Status.RUNNING:
+                return 0
+            steps = min(steps, req.output_len - 1 - outputs, self.max_model_len - 1 - req.prompt_len - outputs)
+        full = n >= min(c.max_num_sequence, c.prefill_chunk_size)
+        if not self.waiting and (self.recycling or not full):
+            return 0   # an arrival could prefill, or its space check free a recycling sequence
+        if not full and self._head_fits(out, 1):
+            return 0
+        lo, hi = 0, max(steps, 0)
+        while lo < hi:   # the checks only tighten as decodes grow: the largest window where they hold
+            mid = (lo + hi + 1) // 2
+            if self._repeatable(out, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _state_at(self, out: SchedulerOutput, step: int) -> tuple[int, int]:
+        """(free pages, total sequence length) at the schedule call of the `step`-th repeat of decode step `out`."""
+        kv = self.kv
+        taken = sum(max(0, kv.blocks_for(r.num_computed_tokens + step - 1) - kv.num_blocks_of(r))
+                    for r, _ in out.scheduled)   # pages the earlier repeats took
+        return kv.pool.num_free - taken, self._total_seq_len() + len(out.scheduled) * (step - 1)
+
+    def _head_fits(self, out: SchedulerOutput, step: int) -> bool:
+        """Whether _pick_prefills would pick the queue head (whole or a chunk) at the `step`-th repeat's call."""
+        chunk, n, page = self.cfg.prefill_chunk_size, len(out.scheduled), self.kv.block_size
+        state = self._state_at(out, step)
+        head = self.waiting[0]
+        length = head.num_tokens - head.num_computed_tokens
+        if self._can_prefill(n + 1, n + length, n + -(-length // page), state):
+            return True
+        if chunk - n >= length or chunk == n:
+            return False
+        rest = chunk - n
+        return self._can_prefill(n + 1, n + rest, n + -(-rest // page), state)
+
+    def _repeatable(self, out: SchedulerOutput, step: int) -> bool:
+        """Whether the `step`-th repeat's schedule call would decode everyone with no other effect: its decodes
+        find a page each, and (recycling kept) the queue head passes _pick_prefills' space check."""
+        n = len(out.scheduled)
+        state = self._state_at(out, step)
+        if n > state[0]:
+            return False
+        if not self.recycling:
+            return True
+        head = self.waiting[0]
+        length = head.num_tokens - head.num_computed_tokens
+        return self._has_space(n + self.kv.blocks_for(length), n, n + length, state)
+
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+        """The repeats as BatchDecode then update would make them (no request finishes or stops: repeat_steps stays
+        short of it), request by request: a decode takes a page at the repeat whose token its pages cannot hold, as
+        BatchDecode's allocate_slots would (which request takes which free page first is a label only)."""
+        kv, steps = self.kv, len(ends)
+        allocate, pool = kv.allocate_slots, kv.pool
+        taken = [0] * steps     # pages taken at each repeat
+        for r, _ in out.scheduled:
+            c, o = r.num_computed_tokens, r.num_output_tokens
+            while r.kv_settled_tokens < c + steps:   # the repeat j = settled - c + 1 needs a page
+                j = r.kv_settled_tokens - c
+                r.num_computed_tokens, r.num_output_tokens = c + j, o + j   # as at repeat j's schedule call
+                used = pool.num_used
+                allocate(r, 1)
+                taken[j] += pool.num_used - used
+            r.num_computed_tokens, r.num_output_tokens = c, o
+        self.advance_decodes(out, ends)
+        used, usages = pool.num_used - sum(taken), []
+        for k in taken:
+            used += k
+            usages.append(used / pool.num_blocks)
+        return usages
+
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         # Invariant: a step is NewRequestPrefill (+ every running decode when hybrid) whenever a waiting request
@@ -216,16 +301,17 @@ class MlcEngine(EnginePolicy):
         return (sum(r.num_computed_tokens for r in self.running)
                 + sum(r.num_computed_tokens for r in self.recycling.values()))
 
-    def _has_space(self, pages: int, batch: int, total_in: int) -> bool:
-        c = self.cfg
-        return (pages + batch <= self.kv.pool.num_free
-                and self._total_seq_len() + total_in + DECODE_WATERMARK * batch <= c.max_total_sequence_length)
+    def _has_space(self, pages: int, batch: int, total_in: int, state: tuple[int, int] | None = None) -> bool:
+        """HasPrefillSpace, now or at `state` (free pages, total sequence length)."""
+        free, total = state if state is not None else (self.kv.pool.num_free, self._total_seq_len())
+        limit = self.cfg.max_total_sequence_length
+        return pages + batch <= free and total + total_in + DECODE_WATERMARK * batch <= limit
 
-    def _can_prefill(self, batch: int, total_in: int, pages: int) -> bool:
+    def _can_prefill(self, batch: int, total_in: int, pages: int, state: tuple[int, int] | None = None) -> bool:
         c = self.cfg
         if batch > min(c.max_num_sequence, c.prefill_chunk_size):
             return False
-        return total_in <= c.prefill_chunk_size and self._has_space(pages, batch, total_in)
+        return total_in <= c.prefill_chunk_size and self._has_space(pages, batch, total_in, state)
 
     def _pick_prefills(self, n_dec: int) -> list[tuple[Request, int]]:
         """GetRequestStateEntriesToPrefill: whole inputs FCFS (attempt 1), else one chunk and stop (attempt 2)."""

@@ -153,7 +153,7 @@ class Replica:
                     continue
             start = env.now  # the next repeat: someone else acts first, or the clock cannot land on its end
             yield env.timeout(float(seconds[i]))
-            self._complete(out, StepCost(*costs[i].tolist()), start, env.now)
+            self._complete_repeats(out, costs[i:i + 1], start, np.array([env.now]))
             i += 1
 
     def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
@@ -170,7 +170,7 @@ class Replica:
         rows[:, 2] = ends
         rows[:, 3:8] = (n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
         rows[:, 8] = usages
-        rows[:, 9] = len(out.preempted)
+        rows[:, 9] = 0             # repeats preempt nobody (`out` may have)
         rows[:, 10:16] = costs
         rows[:, 16] = shape.cuda_graph
         rows[:, 17] = n             # every scheduled request's token

@@ -3,8 +3,8 @@
 * vLLM's lazy decode cohort: random scenarios (the fuzz generator's, plus vLLM's own scheduling knobs:
   long_prefill_token_threshold, priority scheduling, prefix caching off, block size) run with
   `VllmEngine.lazy_decode` off (every request walked every step) and on.
-* Repeated steps (`EnginePolicy.repeat_steps`, llama.cpp and the static baseline): random scenarios run with the
-  engine's proof of repeated steps and with none (every step scheduled).
+* Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
+  baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
   on the paged KV manager runs random scenarios with the fresh draws marked private and not.
 The request rows, the step rows and the inter-token gaps must be equal.
@@ -147,8 +147,16 @@ def _assert_same(a: api.EngineResult, b: api.EngineResult) -> None:
     assert _gaps(a) == _gaps(b)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine=st.sampled_from(["llamacpp", "static"]), data=st.data())
+# engines that prove repeated steps (override EnginePolicy.repeat_steps), from the registry
+REPEATING = sorted(n for n in ENGINES.names() if ENGINES.get(n).repeat_steps is not EnginePolicy.repeat_steps)
+
+
+def test_repeating_engines_are_found():
+    assert {"llamacpp", "static", "mlc"} <= set(REPEATING)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=st.sampled_from(REPEATING), data=st.data())
 def test_repeated_steps_change_no_result(engine, data):
     engine, scenario, kv_tokens, caps = data.draw(scenarios(engine=engine))
     try:
@@ -165,8 +173,9 @@ def _run_without_repeats(sc, engine: str) -> api.EngineResult:
 
 
 def test_repeated_steps_are_used_and_equal_on_a_busy_run():
-    """Overloaded llama.cpp (4 slots) and static batches: most steps are repeats, and the figures are the same."""
-    for engine in ("llamacpp", "static"):
+    """Overloaded llama.cpp (4 slots), MLC (local mode: 4 sequences) and static batches: most steps are repeats,
+    and the figures are the same."""
+    for engine in REPEATING:
         sc = _busy(engine, 60, {})
         calls: list[float] = []
         cls = ENGINES.get(engine)
