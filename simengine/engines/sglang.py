@@ -27,7 +27,7 @@ from simengine.engines.sglang_config import (
     sglang_mem_fraction_static,
     sglang_speculation,
 )
-from simengine.engines.sglang_policy import AddResult, PrefillAdder, order_waiting, reserve_tokens
+from simengine.engines.sglang_policy import AddResult, PrefillAdder, order_waiting, reserve_tokens, reserved_tokens
 from simengine.engines.speculative import Speculation
 from simengine.kvcache.radix import RadixCache, radix_tokens
 
@@ -223,7 +223,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         cps = self.chunked_prefill_size
         adder = PrefillAdder(self.cache, self.host, p.max_prefill_tokens - len(mixed),
                              cps - len(mixed) if cps > 0 else None,
-                             sum(reserve_tokens(r) for r in self.running) * self.new_token_ratio + len(mixed))
+                             reserved_tokens(self.running) * self.new_token_ratio + len(mixed))
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
         # max_loras_per_batch: a request whose adapter would be one too many is skipped (_can_schedule_lora_req)
@@ -300,11 +300,13 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
         batch = len(self.running)
-        for req in self.running:
-            n = 1 + self.drafts(req, batch) if drafts else 1
-            if not self.cache.grow(req.engine_state, n):
-                raise RuntimeError("sglang decode allocation failed after retraction")
-            out.scheduled.append((req, n))
+        sizes = [1 + self.drafts(req, batch) for req in self.running] if drafts else [1] * batch
+        # the slots taken at once (evictions follow the LRU order whatever the grouping)
+        if not self.cache.alloc(sum(sizes)):
+            raise RuntimeError("sglang decode allocation failed after retraction")
+        for req, n in zip(self.running, sizes):
+            req.engine_state.private += n
+        out.scheduled += zip(self.running, sizes)
 
     def _retract(self, out: SchedulerOutput, slots: int = 1) -> None:
         """retract_decode: drop the fewest-output requests (tie: longest prompt) until one decode step fits (`slots`

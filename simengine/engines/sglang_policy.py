@@ -21,6 +21,12 @@ def reserve_tokens(req: Request) -> int:
     return min(max(req.max_tokens - req.num_output_tokens, 0), CLIP_MAX_NEW_TOKENS)
 
 
+def reserved_tokens(running: list[Request]) -> int:
+    """`reserve_tokens` summed over the running batch (inline: it runs for every request at every prefill attempt)."""
+    clip = CLIP_MAX_NEW_TOKENS
+    return sum(min(max(r.max_tokens - r.num_output_tokens, 0), clip) for r in running)
+
+
 class AddResult(Enum):
     CONTINUE = 0
     NO_TOKEN = 1

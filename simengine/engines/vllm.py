@@ -61,8 +61,9 @@ class VllmEngine(PagedEngine):
             dep = self.dep = dataclasses.replace(
                 dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
         self.kv = vllm_kv_cache(p, dep, self.max_num_batched_tokens, self.max_num_seqs)
-        # speculation: a rollback past rejected drafts moves the tokens late publishing keys on (exact path only)
-        self.kv.defer_output_publish = self.defer_output_publish and self.speculation is None
+        # late publishing is exact only where nothing keys on when a block is published: not with speculation (a
+        # rollback past rejected drafts) or a host tier (write-through stores a block when it is published)
+        self.kv.defer_output_publish = self.defer_output_publish and self.speculation is None and self.kv.host is None
         num_blocks = self.kv.num_blocks
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []

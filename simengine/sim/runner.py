@@ -80,6 +80,8 @@ class Runner:
         if scenario.exact:
             for eng in self.engines:
                 eng.exact_mode()
+        if any(eng.host_tier_stats() is not None for eng in self.engines):
+            self.factory.mark_private = False   # a host tier's LRU keys on when each block is stored, not only which
         self.costs: dict[str, CostModel] = {}
         self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
