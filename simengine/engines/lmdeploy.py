@@ -189,19 +189,24 @@ class LmdeployEngine(EnginePolicy):
         tokens, ctx = self.max_forward_tokens, self.max_context_token_num
         self._stop = len(self.seqs)
         self._produced.clear()
-        active, schedule = self._active, out.scheduled.append
+        active, schedule, seqs = self._active, out.scheduled.append, self.seqs
         i = 0
-        while i < min(self._stop, len(self.seqs)) and tokens > 0:
-            req = self.seqs[i]
-            computed = req.num_computed_tokens
-            if (computed + 1 == req.prompt_len + req.num_output_tokens and computed < req.kv_settled_tokens
-                    and req.request_id in active):
+        while True:
+            end = min(self._stop, len(seqs))   # changes only on the full path below
+            while i < end and tokens > 0:
+                req = seqs[i]
+                computed = req.num_computed_tokens
+                if not (computed + 1 == req.prompt_len + req.num_output_tokens and computed < req.kv_settled_tokens
+                        and req.request_id in active):
+                    break
                 # an active decode whose blocks take its token: no hit, no context charge, no alignment, no
                 # producer conflict (it is past its prompt) and no block to publish, exactly as the full path
                 schedule((req, 1))
                 tokens -= 1
                 i += 1
-                continue
+            if i >= end or tokens <= 0:
+                return
+            req = seqs[i]
             hit = self._resume_hit(req)
             begin = req.num_computed_tokens + hit.num_tokens
             charge = self._context_charge(req, begin)
