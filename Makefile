@@ -44,6 +44,7 @@ conformance-record: $(CONFORMANCE_VENV)/.installed-$(VLLM_VERSION)
 
 lint: $(STAMP)
 	$(BIN)/ruff check simengine tests bench examples
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) results/* plots/*

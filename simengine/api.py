@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -83,7 +84,8 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     pools = res.pools
     num_devices = sum(p.num_devices for p in pools)
     prices = [(p.num_devices, p.dep.hardware.price_usd_per_hour) for p in pools]
-    price = None if any(v is None for _, v in prices) else sum(n * v for n, v in prices) / num_devices
+    known = [(n, v) for n, v in prices if v is not None]
+    price = sum(n * v for n, v in known) / num_devices if len(known) == len(prices) else None
     # the prefix cache of the first hop (mixed or prefill replicas), by token over replicas: the decode side only
     # looks up what it is about to receive
     first_hop = [e for e, p in zip(res.engines, runner.pool_of, strict=True) if p.role != "decode"]
@@ -322,7 +324,8 @@ def write_plots(scenario: Scenario, results: dict[str, EngineResult], plots_dir:
     d = scenario.deployment
     setup = (f"{d.model} {d.weight_dtype} on {d.replicas} x {d.tp * d.pp} {d.hardware} (TP {d.tp}, PP {d.pp}, "
              f"{d.replicas} replica{'s' if d.replicas > 1 else ''})")
-    jobs, frames = [], {}
+    jobs: list[tuple[Any, tuple, str]] = []
+    frames = {}
     for label, r in results.items():
         req, every = plot_requests(r.recorder, PLOT_MAX_ROWS)
         steps = plot_steps(r.recorder, r.end_s, PLOT_MAX_ROWS)

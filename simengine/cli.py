@@ -103,7 +103,7 @@ def _engines_arg(text: str | None, scenario):
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise InputError("--engines is empty; give e.g. --engines vllm,sglang", field="--engines")
-    return engine_entries(scenario, names)
+    return engine_entries(scenario, list(names))
 
 
 def cmd_run(args) -> int:
@@ -410,9 +410,9 @@ def cmd_list(args) -> int:
     elif args.what == "routers":
         from simengine.routers import ROUTERS
         for name in ROUTERS.names():
-            cls = ROUTERS.get(name)
-            knobs = ", ".join(f.name for f in dataclasses.fields(cls.Params))
-            print(f"{name:25s} {cls.source}" + (f"\n{'':25s} knobs: {knobs}" if knobs else ""))
+            router = ROUTERS.get(name)
+            knobs = ", ".join(f.name for f in dataclasses.fields(router.Params))
+            print(f"{name:25s} {router.source}" + (f"\n{'':25s} knobs: {knobs}" if knobs else ""))
     elif args.what == "hardware":
         from simengine.config.hardware import hardware_files, load_hardware
         print(f"{'name':24s} {'vendor':9s} {'class':11s} {'mem GiB':>8s} {'BW GB/s':>8s} {'BF16 TF':>8s} "

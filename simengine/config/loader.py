@@ -31,7 +31,7 @@ class Range:
     also: tuple[float, ...] = ()
     unit: str = ""
 
-    def check(self, value: float, *, source: str, field: str) -> None:
+    def check(self, value: float, *, source: str | None, field: str) -> None:
         if value in self.also:
             return
         low_ok = value > self.lo if self.above else value >= self.lo
@@ -64,7 +64,8 @@ class Checked:
     subclass with its own __post_init__ calls super().__post_init__() first."""
 
     def __post_init__(self) -> None:
-        for name, tp in _annotated_hints(type(self)).items():
+        cls: Any = type(self)   # a class is hashable (the cache's key), whatever its instances are
+        for name, tp in _annotated_hints(cls).items():
             value = getattr(self, name)
             if value is None or isinstance(value, bool):
                 continue
@@ -81,7 +82,7 @@ class Checked:
 
 
 @functools.cache
-def _annotated_hints(cls: type) -> dict[str, Any]:
+def _annotated_hints(cls: Any) -> dict[str, Any]:
     return {k: v for k, v in get_type_hints(cls, include_extras=True).items()
             if k in {f.name for f in dataclasses.fields(cls)}}
 
@@ -220,7 +221,7 @@ def convert(tp: Any, value: Any, *, source: str, field: str) -> Any:
         _, val_tp = get_args(tp) or (Any, Any)
         return {str(k): convert(val_tp, v, source=source, field=f"{field}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, source=source, field=field)
+        return from_dict(tp, value, source=source, field=field)  # type: ignore[arg-type]  # a dataclass type
     if tp is Any:
         return value
     if tp is bool:

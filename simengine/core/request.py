@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from array import array
 from enum import IntEnum
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from simengine.kvcache.hashing import HashBatch
 
 
 class Status(IntEnum):
@@ -63,14 +67,14 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1   # prefix-cache hit at first admission (-1 = not admitted yet)
         self.block_hashes: list[int] | None = None  # kvcache.hashing.block_hashes, on first need
-        self.hash_batch = None        # (kvcache.hashing.HashBatch, index): hashed in one pass with its batch
+        self.hash_batch: tuple[HashBatch, int] | None = None  # hashed in one pass with its batch (batch, index)
         self.unique_outputs = unique_outputs  # its output tokens are its own (fresh random draws): no other request
                                               # holds a block containing one while it runs (a later turn may, after)
         # tokens from this index on are in no other request, ever (fresh draws of a request without later turns):
         # a block holding one can only be found by this request itself, after giving its blocks up unfinished
         self.private_from = len(token_ids) if private_from is None else min(private_from, len(token_ids))
         self.fail_reason = ""
-        self.engine_state = None      # a policy's private per-request bookkeeping
+        self.engine_state: Any = None  # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or
                                       # prefix publish (its per-step fast path); 0 = ask the manager
         self.token_times: array | None = None  # when set (the runner's detailed requests): each output token's time

@@ -86,6 +86,6 @@ def _read_cached(path: Path, mtime_ns: int) -> dict[str, dict[str, float]]:
 
 def apply_terms(timing: EngineTiming, terms: dict[str, float]) -> EngineTiming:
     """The engine's timing with its calibrated terms (each an EngineTiming field) in place."""
-    return dataclasses.replace(timing, **terms) if terms else timing
+    return dataclasses.replace(timing, **terms) if terms else timing  # type: ignore[arg-type]  # float fields
 
 

@@ -347,7 +347,7 @@ class MeasuredKernels(RooflineKernels):
         return text
 
     # ---- loading ----------------------------------------------------------------------------------------
-    def _gemm_ops(self) -> list[tuple[str, int, int, int, str]]:
+    def _gemm_ops(self) -> list[tuple[str, int, int, int, str | None]]:
         """The step's GEMMs other than the routed experts: (name, n, k, calls per step, gemm dtype)."""
         w = self.work
         m, tp, h = w.model, w.tp, w.model.hidden_size
@@ -455,7 +455,7 @@ class MeasuredKernels(RooflineKernels):
         return None
 
     # ---- pricing ----------------------------------------------------------------------------------------
-    def _gemm_s(self, op: tuple[str, int, int, int, str], tokens: np.ndarray) -> np.ndarray | None:
+    def _gemm_s(self, op: tuple[str, int, int, int, str | None], tokens: np.ndarray) -> np.ndarray | None:
         name, n, k, _, dtype = op
         if self.gemm is None or dtype is None:
             return None
@@ -538,6 +538,7 @@ class MeasuredKernels(RooflineKernels):
     def _prefill_s(self, chunks: list[tuple[int, int]]) -> float:
         """Measured seconds of the prefill chunks' attention over all layers."""
         grid, w = self.prefill_grid, self.work
+        assert grid is not None   # callers check the table exists
         pairs, full = w.prefill_pairs(chunks)
         b = len(chunks)
         s = full / b
@@ -545,7 +546,7 @@ class MeasuredKernels(RooflineKernels):
         if row is None:
             row = self._prefill_rows[b] = grid.row(b)
         per_layer = _interp_row(self._prefill_xs, row, s) ** 2 * pairs / (b * s * s / 2.0)
-        layers = w.full_layers
+        layers: float = w.full_layers
         if w.sliding_layers:   # a window caps the pairs each query sees
             layers = layers + w.sliding_layers * w.sliding_pairs(chunks) / pairs
         return per_layer * layers
@@ -553,6 +554,7 @@ class MeasuredKernels(RooflineKernels):
     def _decode_s(self, num_decode: int, context_tokens):
         """Measured seconds of the decodes' attention over all layers (float, or array over contexts)."""
         grid, w = self.decode_grid, self.work
+        assert grid is not None   # callers check the table exists
         row = self._decode_rows.get(num_decode)
         if row is None:
             row = self._decode_rows[num_decode] = grid.row(num_decode)
@@ -562,10 +564,10 @@ class MeasuredKernels(RooflineKernels):
             if w.sliding_layers:
                 sec = sec + np.interp(np.minimum(mean, w.window), self._decode_xs, row) * w.sliding_layers
             return sec
-        sec = _interp_row(self._decode_xs, row, mean) * w.full_layers
+        seconds = _interp_row(self._decode_xs, row, mean) * w.full_layers
         if w.sliding_layers:
-            sec += _interp_row(self._decode_xs, row, min(mean, w.window)) * w.sliding_layers
-        return sec
+            seconds += _interp_row(self._decode_xs, row, min(mean, w.window)) * w.sliding_layers
+        return seconds
 
     def prefill(self, chunks: list[tuple[int, int]]):
         if self.prefill_grid is None:

@@ -7,10 +7,10 @@ no wall clock, randomness only from an injected numpy Generator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
@@ -292,6 +292,7 @@ class EnginePolicy(ABC):
                     req.num_computed_tokens = computed
                     continue
                 # a decode that verified `ahead` drafts: keep the accepted ones, roll the rest's KV back
+                assert self.speculation is not None, "a decode ahead of its tokens without speculation"
                 accepted = self.speculation.accepted(req, ahead)
                 computed -= ahead - accepted
                 produced += accepted
@@ -388,7 +389,7 @@ class PagedEngine(EnginePolicy):
     (KVCacheManager). Subclasses create those three in __init__."""
 
     running: list[Request]
-    waiting: Sized
+    waiting: Any   # a deque, list or heap, as the engine keeps its queue
     kv: KVCacheManager
 
     def num_running(self) -> int:

@@ -75,7 +75,7 @@ class LlamaCppEngine(EnginePolicy):
         p = params
         dep = with_proposer(dep, self.speculation_of(p, dep))   # the draft model's weights and KV fit first
         auto = p.n_parallel in (None, 1) and not p.kv_unified
-        self.n_parallel = 4 if auto else p.n_parallel
+        self.n_parallel: int = 4 if auto or p.n_parallel is None else p.n_parallel
         self.kv_unified = True if auto else bool(p.kv_unified)
         self.n_ctx = llamacpp_fit_ctx(p, dep)
         per_slot = self.n_ctx if self.kv_unified else self.n_ctx // self.n_parallel
@@ -218,7 +218,8 @@ class LlamaCppEngine(EnginePolicy):
         if not idle:
             return None
         prompt = req.token_ids[:req.prompt_len]
-        best, best_sim, lcp_best = None, 0.0, 0
+        best: _Slot | None = None
+        best_sim, lcp_best = 0.0, 0
         if self.params.slot_prompt_similarity:
             for s in idle:
                 lcp = common_prefix(s.cache, prompt)
@@ -231,6 +232,7 @@ class LlamaCppEngine(EnginePolicy):
                 if best is None or s.last_used <= best.last_used:
                     best = s
             update_cache = True
+        assert best is not None   # idle is not empty
         if update_cache and self.ram.limit_tokens:
             self.ram.save(best.cache)
             self._ram_load(best, prompt)

@@ -233,7 +233,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if len(self.running) + adder.count >= self.max_running_requests:
                 self.batch_is_full = True
                 break
-            if loras is not None and not self.adapters.admits(loras, req):
+            if loras is not None and self.adapters is not None and not self.adapters.admits(loras, req):
                 continue
             res = adder.add_one(req)
             if res is not AddResult.CONTINUE:
@@ -268,7 +268,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                     cache.release(hold)
                     req.engine_state, req.num_computed_tokens = None, 0
                 continue
-            if host:
+            if host and self.host is not None:
                 self.onboarded += host
                 self.host.loaded(host)
             if req is not self.chunked:
@@ -313,7 +313,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         per request: its token and its drafts); one request is kept unless even it cannot fit (real SGLang would fail
         there)."""
         order = sorted(self.running, key=lambda r: (r.num_output_tokens, -r.prompt_len), reverse=True)
-        gone = []
+        gone: list[Request] = []
         while len(order) > 1 and (not gone or self.cache.available() < len(order) * slots):
             gone.append(order.pop())
             self._retract_one(gone[-1], out)

@@ -228,7 +228,8 @@ class TrtllmEngine(PagedEngine):
     def _schedule_started(self, out: SchedulerOutput) -> _Budget:
         """Generation tokens first, then the next chunk of contexts already chunking (FCFS)."""
         budget = _Budget(self.max_num_tokens, self.max_batch_size)
-        decoding, contexts = [], []
+        decoding: list[Request] = []
+        contexts: list[Request] = []
         for r in self.running:  # Request.is_decoding, inline: this runs for every request every step
             (decoding if r.num_output_tokens and r.prompt_len + r.num_output_tokens - r.num_computed_tokens == 1
              else contexts).append(r)

@@ -156,7 +156,7 @@ class VllmEngine(PagedEngine):
         cohort = self.cohort
         budget = cohort.schedule_running(out) if cohort is not None else None
         exact = budget is None
-        if exact:
+        if budget is None:
             budget = self._schedule_running(out, now)
         num_running = len(self.running)
         in_run = self.multi_step_left > 0   # a multi-step run admits nobody until it ends
@@ -325,7 +325,7 @@ class VllmEngine(PagedEngine):
         skipped: list[Request] = []
         while budget > 0 and queue and len(self.running) < self.max_num_seqs:
             req = self._peek_waiting()
-            if loras is not None and not self.adapters.admits(loras, req):
+            if loras is not None and self.adapters is not None and not self.adapters.admits(loras, req):
                 skipped.append(self._pop_waiting())   # (an admission that fails below stops the loop: a set that
                 continue                              # took its adapter is not used again)
             hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT

@@ -14,6 +14,8 @@ front). The queue is compacted when stale entries pile up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 FRONT_SLACK = 4096   # taken entries left before the head when the queue is rebuilt for blocks freed to the front
@@ -38,7 +40,8 @@ class BlockPool:
         self.head = 0
         self.num_free = num_blocks
         self.stale: dict[int, int] = {}                   # block id -> its stale entries in free_queue
-        self.on_evict = None   # called with the hash of each cached block an allocation evicts (a host tier's store)
+        # called with the hash of each cached block an allocation evicts (a host tier's store)
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_used(self) -> int:

@@ -98,7 +98,8 @@ class HashBatch:
     def take(self, index: int, block_size: int) -> list[int] | None:
         """Request `index`'s hashes (None if the batch was hashed with another block size)."""
         if self.hashes is None:
-            self.hashes = hash_many(self.token_arrays, block_size)
+            assert self.token_arrays is not None   # dropped only once hashed
+            self.hashes = list(hash_many(self.token_arrays, block_size))
             self.token_arrays, self.block_size = None, block_size
         if block_size != self.block_size:
             return None

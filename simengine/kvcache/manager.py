@@ -69,9 +69,12 @@ class KVCacheManager:
 
     def take_from_host(self, tokens: int, disk_tokens: int = 0) -> None:
         """`tokens` found by `host_hit` (`disk_tokens` of them on disk) are loaded back (the hit counted)."""
-        self.host.hit_blocks += (tokens - disk_tokens) // self.block_size
+        host = self.host
+        assert host is not None, "a host load without a host tier"
+        host.hit_blocks += (tokens - disk_tokens) // self.block_size
         if disk_tokens:
-            self.host.spill.hit_blocks += disk_tokens // self.block_size
+            assert host.spill is not None, "a disk load without a disk tier"
+            host.spill.hit_blocks += disk_tokens // self.block_size
         self.host_hit_tokens += tokens
 
     @property

@@ -26,7 +26,8 @@ class RadixNode:
     def __init__(self, key: np.ndarray, parent: RadixNode | None, last_access: int):
         self.key = key
         self.children: dict = {}
-        self.parent = parent
+        # the root's is None; walks stop at the root (`is not root`), so every other node's parent is a node
+        self.parent: RadixNode = parent  # type: ignore[assignment]
         self.lock_ref = 0
         self.last_access = last_access
 
@@ -208,7 +209,7 @@ class RadixCache:
                     break
             parent = node.parent
             del parent.children[self._ckey(node.key, 0)]
-            node.parent = None
+            node.parent = None  # type: ignore[assignment]  # detached: its stale heap entries see it
             self.num_nodes -= 1
             self._drop(size)
             evicted += size
@@ -245,11 +246,15 @@ class RadixCache:
         for i, nd in enumerate(nodes):
             at.setdefault(nd, []).append(i)
         weight: dict[RadixNode, int] = {}
+        root = self.root
         for nd, idx in at.items():
-            while nd is not None:
+            while True:
                 weight[nd] = weight.get(nd, 0) + len(idx)
+                if nd is root:
+                    break
                 nd = nd.parent
-        order, stack = [], [self.root]
+        order: list[int] = []
+        stack = [root]
         while stack:
             nd = stack.pop()
             order.extend(at.get(nd, ()))

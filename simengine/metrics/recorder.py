@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class Recorder:
         self.itl_chunks = Chunks("itl", ITL_DTYPE, self.spill)
         self._strings: list[str] = [*STATUSES, ""]
         self._codes = {s: i for i, s in enumerate(self._strings)}
-        self._request_cols = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
+        self._request_cols: list[Any] = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
         self._step_rows = array("d")  # STEP_FIELDS flattened row after row (one C-level extend per step)
         self._itl_values = array("d")
         self._itl_counts = array("q")

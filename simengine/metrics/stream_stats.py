@@ -97,7 +97,8 @@ def sample_stats(passes: Passes, names: Iterable[str], percentiles: Iterable[flo
         if s.weight <= 0:
             out[name] = None
             continue
-        stats = {"count": s.weight, "mean": s.mean, "std": math.sqrt(max(s.squares / s.weight, 0.0))}
+        stats: dict[str | float, float] = {"count": s.weight, "mean": s.mean,
+                                           "std": math.sqrt(max(s.squares / s.weight, 0.0))}
         for p, x in positions[name].items():
             lo, hi = math.floor(x), math.ceil(x)
             stats[p] = _lerp(s.found[lo], s.found[hi], x - lo)

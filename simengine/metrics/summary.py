@@ -6,6 +6,7 @@ length is summarised in bounded memory."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,7 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
     backlog = total.unfinished if end_s > horizon_s else 0
     offered, kept_up = arrival_balance(rec, total.first_arrival_s, total.last_arrival_s, total.requests)
     overloaded = bool(backlog + total.shed > 0.05 * max(total.requests, 1)) or kept_up is False
-    summary = {
+    summary: dict[str, Any] = {
         "num_requests": total.requests,
         "completed": total.completed,
         "failed": total.failed,

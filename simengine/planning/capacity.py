@@ -145,7 +145,7 @@ def rated(scenario: Scenario) -> None:
 def requests_per_run(scenario: Scenario) -> int:
     """Every probe sends the same requests: the scenario's num_requests, else what its rate sends in horizon_s."""
     wl = scenario.workload
-    n = wl.num_requests or round(wl.arrival.rate * scenario.horizon_s)
+    n = wl.num_requests or round(wl.arrival.rate_req_s * scenario.horizon_s)
     if n < MIN_REQUESTS:
         raise InputError(f"a capacity probe of {n} requests says little about the tail; give at least "
                          f"{MIN_REQUESTS} (workload.num_requests, or a longer horizon_s)",

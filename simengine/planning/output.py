@@ -86,9 +86,9 @@ def figure(caps: dict[str, Capacity], limits: list[StatLimit], attainment: float
         ax.set_yscale("log")
         ax.set_ylabel(unit)
     for label, c in caps.items():
-        pts = [p for p in c.points if p.attainment is not None]
+        pts = [(p.rate, p.attainment) for p in c.points if p.attainment is not None]
         if pts:
-            axes[2].plot([p.rate for p in pts], [100 * p.attainment for p in pts], marker=".", color=colors[label],
+            axes[2].plot([r for r, _ in pts], [100 * a for _, a in pts], marker=".", color=colors[label],
                          label=label)
     if attainment is not None and any(p.attainment is not None for c in caps.values() for p in c.points):
         axes[2].axhline(100 * attainment, color="black", linestyle=":", label=f"target {100 * attainment:g}%")

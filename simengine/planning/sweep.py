@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from simengine.config.loader import load_yaml
 from simengine.errors import InputError
@@ -105,7 +106,7 @@ def run_point(scenario: str, base_sets: list[str], point: dict) -> dict:
     from simengine.sim.build import plan_pools
 
     t0 = time.perf_counter()
-    row = {"point": point_id(point), **{name: label(v) for name, v in point.items()}}
+    row: dict[str, Any] = {"point": point_id(point), **{name: label(v) for name, v in point.items()}}
     try:
         sc = load_scenario(scenario, base_sets + overrides(point))
         summary = run_engine(sc, sc.engines[0]).summary

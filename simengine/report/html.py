@@ -39,12 +39,12 @@ def insights(summaries: dict[str, dict], folders: dict[str, Path]) -> list[str]:
                        f"{worst} ({w:,.0f}).")
         ttft = {k: summaries[k]["p99_ttft_ms"] for k in labels if summaries[k].get("p99_ttft_ms") is not None}
         if len(ttft) > 1:
-            lo, hi = min(ttft, key=ttft.get), max(ttft, key=ttft.get)
+            lo, hi = min(ttft, key=ttft.__getitem__), max(ttft, key=ttft.__getitem__)
             if ttft[hi] > 1.2 * ttft[lo]:
                 out.append(f"{lo} has the lowest p99 TTFT ({ttft[lo]:,.0f} ms); {hi} the highest "
                            f"({ttft[hi]:,.0f} ms).")
         hits = {k: summaries[k]["prefix_cache_hit_rate"] for k in labels}
-        top, bottom = max(hits, key=hits.get), min(hits, key=hits.get)
+        top, bottom = max(hits, key=hits.__getitem__), min(hits, key=hits.__getitem__)
         if hits[top] - hits[bottom] >= 0.10:
             out.append(f"{top}'s prefix hit rate is {hits[top]:.0%} against {bottom}'s {hits[bottom]:.0%}: "
                        f"{top} computes {hits[top] - hits[bottom]:.0%} fewer of the prompt tokens it looks up.")

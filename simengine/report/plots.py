@@ -178,9 +178,9 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
         d = done.dropna(subset=["tpot_ms"])
         if len(d):
             a_tpl.plot(d[x], _rolling(d, "tpot_ms", 0.5), label=label, color=c)
-    x = np.arange(len(labels))
-    a_thr.bar(x, [summaries[lb]["output_throughput"] for lb in labels], color=[colors[lb] for lb in labels])
-    a_thr.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    bars = np.arange(len(labels))
+    a_thr.bar(bars, [summaries[lb]["output_throughput"] for lb in labels], color=[colors[lb] for lb in labels])
+    a_thr.set_xticks(bars, labels, rotation=30, ha="right", fontsize=8)
     a_thr.set_ylabel("output tokens/s")
     a_thr.set_title("output throughput")
     for ax, t, xl in ((a_ttft, "TTFT CDF", "TTFT (ms)"), (a_tpot, "TPOT CDF", "TPOT (ms/token)")):

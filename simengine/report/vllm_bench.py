@@ -33,7 +33,7 @@ def traffic(scenario: Scenario) -> dict:
 def peak_output_tokens_per_s(rec: Recorder, start_s: float) -> float:
     """vLLM's max_output_tokens_per_s: output tokens counted in one-second buckets from the first send, the fullest
     bucket. Every step's sampled tokens land at its end (steps.csv output_tokens), all replicas together."""
-    counts = np.zeros(0)
+    counts: np.ndarray = np.zeros(0)
     for rows in rec.step_rows():
         buckets = np.floor(rows["end_s"] - start_s).astype(np.int64)
         keep = buckets >= 0
@@ -67,12 +67,12 @@ def peak_concurrency(rec: Recorder) -> tuple[int, float]:
 def per_request_lists(rec: Recorder, limit: int) -> dict[str, list]:
     """The per-request lists over the detailed requests (ids below `limit`), in id order, as vLLM fills them: a
     failed request has ttft 0, no itls, latency 0 and its error; output_lens count the tokens it received."""
-    lists = {k: [] for k in LIST_KEYS}
+    lists: dict[str, list] = {k: [] for k in LIST_KEYS}
     strings, done = rec.strings, rec.code("completed")
     for block in rec.request_rows_by_id():
         rows = block[block["request_id"] < limit]
         for r in rows.tolist():
-            row = dict(zip(rows.dtype.names, r))
+            row = dict(zip(rows.dtype.names or (), r))
             rid, sent = row["request_id"], row["arrival_s"]
             ok = row["status"] == done
             times = rec.token_times.get(rid)

@@ -188,11 +188,11 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
             raise CannotRun(f"pool '{p.name}': {p.entry.engine} has no {p.role} role for prefill/decode "
                             f"disaggregation here; engines that do: {', '.join(ok)}", field=f"{p.where}.engine")
     if disaggregated:   # every prefill -> decode path must exist (KV leaving a node needs a network)
-        at = place(pools)
+        placed = place(pools)
         for src in pools:
             for dst in pools:
                 if src.role == "prefill" and dst.role == "decode":
                     for i in src.indices:
                         for j in dst.indices:
-                            kv_path(src, dst, at[i], at[j])
+                            kv_path(src, dst, placed[i], placed[j])
     return pools

@@ -27,7 +27,8 @@ class Path:
 def place(pools) -> list[tuple[str, int]]:
     """(hardware, node) of every replica: pools in order fill nodes of their device, a replica never split across
     two nodes, and a new pool on the same device continuing in the node the last one left off."""
-    where, used = [], {}     # hardware -> devices taken so far
+    where: list = []
+    used: dict[str, int] = {}     # hardware -> devices taken so far
     for p in pools:
         hw, size = p.dep.hardware, p.dep.num_devices
         for _ in range(p.count):

@@ -121,8 +121,8 @@ class Runner:
         else:
             eng.timing = cost.timing   # the calibrated terms cost_model gave the pool's first engine
         if pool.dep.pp > 1 and eng.supports_pipeline_microbatches:
-            replica = PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done,
-                                       check_invariants=self.check_invariants, stages=pool.dep.pp)
+            replica: Replica = PipelinedReplica(self.env, i, eng, cost, self.recorder, self._on_done,
+                                                check_invariants=self.check_invariants, stages=pool.dep.pp)
         else:
             replica = Replica(self.env, i, eng, cost, self.recorder, self._on_done,
                               check_invariants=self.check_invariants)
@@ -258,7 +258,9 @@ class Runner:
         req.first_scheduled_s = copy.first_scheduled_s   # its queue time is the prefill side's
         req.num_cached_tokens = copy.num_cached_tokens
         req.remote_kv_tokens = req.prompt_len
+        assert self.back is not None, "a decode hand-over without a decode pool"
         replica = self._choose(self.back, req)
+        assert replica is not None, "every decode replica down: _to_decode is called only while one is up"
         self.assigned[req.request_id] = replica.index
         self.decode_sent[req.request_id] = (self.env.now, replica.schedules)
         replica.submit(req)
@@ -318,6 +320,7 @@ class Runner:
 
     def _random_failures(self, i: int, rng):
         cfg = self.scenario.deployment.failures
+        assert cfg is not None
         while True:
             yield self.env.timeout(float(rng.exponential(cfg.mtbf_s)))
             yield from self._outage(i, float(rng.exponential(cfg.mttr_s)))
@@ -356,7 +359,8 @@ class Runner:
     def _lost(self, req: Request, i: int) -> None:
         """A request the failed replica held: resent (a fresh copy, same id and send time) or failed."""
         n = self.retries.get(req.request_id, 0)
-        if n < self.scenario.deployment.failures.max_retries:
+        failures = self.scenario.deployment.failures
+        if failures is not None and n < failures.max_retries:
             self.retries[req.request_id] = n + 1
             fresh = resend(req)
             if req.token_times is not None:
@@ -510,13 +514,13 @@ class Runner:
             self.sources_open = 1
             self.env.process(self._open_sessions())
         elif wl.sessions is not None:
-            n = wl.sessions.population
+            n = wl.sessions.population or 0   # population or arrival_rate: exactly one is given
             self.sources_open = n
             for i in range(n):
                 self.env.process(self._session_slot(i, n))
         elif wl.arrival.process == "closed_loop":
-            self.sources_open = wl.arrival.concurrency
-            for _ in range(wl.arrival.concurrency):
+            self.sources_open = wl.arrival.concurrency or 0   # required of closed_loop
+            for _ in range(self.sources_open):
                 self.env.process(self._closed_loop_user())
         else:
             self.sources_open = 1

@@ -49,6 +49,7 @@ def trtllm_bench_params(row: Measurement) -> dict:
     """TrtllmParams overrides trtllm-bench throughput applies for a fixed-length dataset of the row's lengths."""
     model, hw = load_model(row.model), load_hardware(row.hardware)
     isl, osl = row.input_len, row.output_len
+    assert isl is not None and osl is not None, "trtllm-bench settings need the row's input and output lengths"
     wbytes = min(weight_format(row.weight_dtype).bytes_per_param, 2.0)   # BYTES_PER_ELEM: fp8 1, else 2
     kvb = kv_bytes(row.kv_dtype)
     per_token_gib = 2 * model.num_full_attention_layers * max(row.tp, model.num_kv_heads) * model.head_dim * kvb / GIB
@@ -138,7 +139,8 @@ def engine_version(row: Measurement, engine: str) -> tuple[int, int] | None:
 def version_params(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     """Knobs the row's engine version had (VERSION_KNOBS) and the reasons."""
     version = engine_version(row, engine)
-    params, why = {}, []
+    params: dict = {}
+    why: list[str] = []
     for eng, below, knobs, source in VERSION_KNOBS:
         if eng == engine and version is not None and version < below:
             params.update(knobs)

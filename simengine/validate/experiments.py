@@ -113,7 +113,7 @@ def _arrival(row: Measurement) -> dict:
     if a.kind == "poisson":
         return {"process": "poisson", "rate": a.value}
     if a.kind == "concurrency":
-        return {"process": "closed_loop", "concurrency": int(a.value)}
+        return {"process": "closed_loop", "concurrency": int(a.value or 1)}
     if a.kind == "single":
         return {"process": "closed_loop", "concurrency": 1}
     return {"process": "offline"}   # offline, and batch:B (B requests at t=0)
@@ -162,8 +162,9 @@ def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
             return Experiment(row, "step", engine, scenario_for(row, engine, params=params, cost_model=cost_model),
                               params,
                               batch=int(a.value or 1))
+        n: int | None
         if row.arrival.kind == "batch":
-            n = int(a.value)
+            n = int(a.value or 1)
         elif row.num_requests:
             n = row.num_requests
         elif a.kind == "offline":
@@ -185,7 +186,7 @@ def capped_requests(exp: Experiment, batch_limit: int | None, kv_tokens: int) ->
     only: a row with a length distribution runs its whole sample)."""
     row = exp.row
     if row.arrival.kind != "offline" or not (row.input_len and row.output_len):
-        return exp.scenario.workload.num_requests
+        return exp.scenario.workload.num_requests or OPEN_LOOP_CAP
     per_req = (row.input_len or 1) + (row.output_len or 1)
     conc = kv_tokens // max(per_req, 1)
     if batch_limit:

@@ -52,7 +52,8 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
     ctx = np.array([s.decode_context_tokens for s in shapes], dtype=float)
     parts = (k.token_features(tokens), k.logit_features(logits),
              k.attention_features([s.prefill_chunks for s in shapes], num_decode, ctx))
-    f = {name: sum(np.broadcast_to(np.asarray(p[name], dtype=float), (n,)) for p in parts) for name in FEATURES}
+    f = {name: sum((np.broadcast_to(np.asarray(p[name], dtype=float), (n,)) for p in parts), np.zeros(n))
+         for name in FEATURES}
     measured = f["meas_c"] + f["meas_m"] + f["meas_comm"]
     gpu = price(f, cost.kernels.terms)[0]
     share = float(1.0 - measured.sum() / gpu.sum()) if n and gpu.sum() > 0 else 1.0
@@ -74,7 +75,8 @@ def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.nda
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
                              exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))
     host = e["seq_cpu_s"] * sf.seqs + sf.structured * sf.grammar_mask_s
-    return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches, np.maximum)
+    return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches,  # type: ignore[arg-type]
+                        np.maximum)   # an EngineTiming's two members the pricing reads
 
 
 def exposed(total, extra, e: dict, overlap):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +45,11 @@ class Param:
         return self.group.startswith(("hw:", "vendor:"))
 
 
+def _weighted(fun, w: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """`fun`'s residuals at `z`, weighted (the robust loss's current weights)."""
+    return w * fun(z)
+
+
 def dtype_key(device: str, dtype: str) -> str:
     """The gemm_fraction entry a compute dtype uses on a device (its own entry, else `default`); '' for GEMMs at
     an engine's own kernel rate, which no device fraction sets."""
@@ -63,13 +69,17 @@ class FitData:
                                                  "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
         base_dev: dict[str, list] = {k: [] for k in TERM_NAMES}
         base_eng: dict[str, list] = {k: [] for k in ENGINE_FIELDS}
-        self.numer, self.rate, self.row_start, self.offset = [], [], [], []
+        numer: list[float] = []
+        rate: list[bool] = []
+        row_start: list[int] = []
+        offset: list[float] = []
         seg = 0
         for p in preds:
-            self.row_start.append(seg)
-            self.numer.append(p.readout.numerator)
-            self.rate.append(p.readout.rate)
-            self.offset.append(p.readout.offset_s)
+            assert p.readout is not None, "a calibration row without its readout"
+            row_start.append(seg)
+            numer.append(p.readout.numerator)
+            rate.append(p.readout.rate)
+            offset.append(p.readout.offset_s)
             for sf, w in zip(p.features, p.readout.weights, strict=True):
                 n = len(sf)
                 for k in FEATURES:
@@ -94,9 +104,9 @@ class FitData:
         self.base_dev = {k: np.concatenate(v) for k, v in base_dev.items()}
         self.base_eng = {k: np.concatenate(v) for k, v in base_eng.items()}
         self.num_segs = seg
-        self.row_start = np.array(self.row_start)
-        self.numer, self.rate = np.array(self.numer), np.array(self.rate, dtype=bool)
-        self.offset = np.array(self.offset)
+        self.row_start = np.array(row_start)
+        self.numer, self.rate = np.array(numer), np.array(rate, dtype=bool)
+        self.offset = np.array(offset)
         self.measured = np.array([p.row.value for p in preds])
         self.steps = SimpleNamespace(f={k: self.cols[k] for k in FEATURES}, seqs=self.cols["seqs"],
                                      structured=self.cols["structured"], graph=self.cols["graph"],
@@ -120,7 +130,7 @@ class FitData:
                         dev[field][sel] = v
             else:
                 eng[p.name][c["eng"] == self.engines.index(p.group)] = v
-        t = reprice(self.steps, SimpleNamespace(**dev), eng)
+        t = reprice(self.steps, SimpleNamespace(**dev), eng)  # type: ignore[arg-type]  # features in columns
         seg_sum = np.bincount(c["seg"], weights=c["w"] * t, minlength=self.num_segs)
         span = np.add.reduceat(seg_sum, self.row_start) + self.offset
         return np.where(self.rate, self.numer / np.maximum(span, 1e-30), 1e3 * span)
@@ -144,7 +154,7 @@ def least_squares(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, lo: n
         w = np.ones(len(r))
         a = np.abs(r[:n])
         w[:n] = np.sqrt(np.where(a <= huber, 1.0, huber / np.maximum(a, 1e-12)))
-        x_new, _ = _lm(lambda z, w=w: w * fun(z), x, lo, hi, iterations)
+        x_new, _ = _lm(partial(_weighted, fun, w), x, lo, hi, iterations)
         moved = np.max(np.abs(x_new - x))
         x = x_new
         if moved < 1e-6:

@@ -100,6 +100,12 @@ class Measurement:
         return m.group(1).lower() if m else ""
 
 
+def _required_int(text: str, column: str, where: str, minimum: int = 0) -> int:
+    v = _int(text, column, where, blank_ok=False, minimum=minimum)
+    assert v is not None   # a blank raised
+    return v
+
+
 def _int(text: str, column: str, where: str, *, blank_ok: bool, minimum: int = 0) -> int | None:
     text = text.strip()
     if not text:
@@ -160,8 +166,8 @@ def parse_row(fields: list[str], where: str, line: int) -> Measurement:
     return Measurement(
         id=raw["id"], source=raw["source"], engine=raw["engine"], model=raw["model"],
         weight_dtype=raw["weight_dtype"], kv_dtype=raw["kv_dtype"], hardware=raw["hardware"],
-        num_gpus=_int(raw["num_gpus"], "num_gpus", where, blank_ok=False, minimum=1),
-        tp=_int(raw["tp"], "tp", where, blank_ok=False), pp=_int(raw["pp"], "pp", where, blank_ok=False),
+        num_gpus=_required_int(raw["num_gpus"], "num_gpus", where, minimum=1),
+        tp=_required_int(raw["tp"], "tp", where), pp=_required_int(raw["pp"], "pp", where),
         input_len=_int(raw["input_len"], "input_len", where, blank_ok=True),
         output_len=_int(raw["output_len"], "output_len", where, blank_ok=True),
         num_requests=_int(raw["num_requests"], "num_requests", where, blank_ok=True, minimum=1),

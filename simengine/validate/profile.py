@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from simengine.config.hardware import REPO_ROOT
 from simengine.config.model import ModelSpec, load_model
@@ -33,7 +34,8 @@ DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_KV = (64, 256, 1024, 4096, 16384, 32768)
 PREFILL_BATCH = (1, 2, 4, 8)
 PREFILL_ISL = (128, 512, 1024, 2048, 4096, 8192)
-QUICK = {"tokens": (1, 8, 64), "decode": ((1, 2), (32, 64)), "prefill": ((1, 2), (16, 64)), "repeats": 2}
+QUICK: dict[str, Any] = {"tokens": (1, 8, 64), "decode": ((1, 2), (32, 64)), "prefill": ((1, 2), (16, 64)),
+                         "repeats": 2}
 DTYPES = {"bf16": ("bfloat16", "bfloat16"), "fp16": ("float16", "bfloat16")}   # torch dtype, table dtype name
 GEMM_COLUMNS = ("gemm_dtype", "m", "n", "k", "latency")
 ATTN_COLUMNS = ("batch_size", "isl", "num_heads", "num_key_value_heads", "head_dim", "window_size", "attn_dtype",

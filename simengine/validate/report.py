@@ -83,8 +83,8 @@ def ranking_groups(preds: list[Prediction]) -> list[dict]:
         if len({p.engine for p in g}) < 2:
             continue
         g = sorted(g, key=lambda p: p.row.value)
-        lengths = "/".join(f"{x:g}" if x is not None else "?" for x in key[6]) if key[6] else ""
-        out.append({"group": f"{key[1]} {key[2]} tp{key[4]} {key[7]} {lengths} {key[8]} {key[9]}".replace("  ", " "),
+        shown = "/".join(f"{x:g}" if x is not None else "?" for x in key[6]) if key[6] else ""
+        out.append({"group": f"{key[1]} {key[2]} tp{key[4]} {key[7]} {shown} {key[8]} {key[9]}".replace("  ", " "),
                     "engines": len(g), "tau": kendall_tau([p.row.value for p in g], [p.predicted for p in g]),
                     "measured": " < ".join(p.engine for p in g),
                     "predicted": " < ".join(p.engine for p in sorted(g, key=lambda p: p.predicted))})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -115,19 +116,19 @@ def decode_shape(eng: EnginePolicy, batch: int, context: int) -> BatchShape:
 def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Readout]:
     """Shapes and readout of a step metric (Splitwise and llama-bench semantics, see experiments.py)."""
     r, b = exp.row, exp.batch
-    depth = r.ctx_depth
+    depth, isl, osl = r.ctx_depth, r.input_len or 0, r.output_len or 0   # rows carry the lengths their metric needs
     if r.metric == "prefill_ms":
-        shapes = prefill_shapes(eng, b, r.input_len, depth, None)
+        shapes = prefill_shapes(eng, b, isl, depth, None)
         return shapes, Readout(False, 1.0, [np.ones(len(shapes))])
     if r.metric == "prefill_tok_s":
-        shapes = prefill_shapes(eng, b, r.input_len, depth, LLAMA_BENCH_UBATCH)
-        return shapes, Readout(True, float(b * r.input_len), [np.ones(len(shapes))])
-    start = (r.input_len or 0) + depth
+        shapes = prefill_shapes(eng, b, isl, depth, LLAMA_BENCH_UBATCH)
+        return shapes, Readout(True, float(b * isl), [np.ones(len(shapes))])
+    start = isl + depth
     if r.metric == "decode_step_ms":   # the median of O iterations: the one halfway through the generation
-        shapes = [decode_shape(eng, b, start + math.ceil(r.output_len / 2))]
+        shapes = [decode_shape(eng, b, start + math.ceil(osl / 2))]
         return shapes, Readout(False, 1.0, [np.ones(1)])
-    shapes = [decode_shape(eng, b, start + i) for i in range(1, r.output_len + 1)]   # decode_tok_s
-    return shapes, Readout(True, float(b * r.output_len), [np.ones(len(shapes))])
+    shapes = [decode_shape(eng, b, start + i) for i in range(1, osl + 1)]   # decode_tok_s
+    return shapes, Readout(True, float(b * osl), [np.ones(len(shapes))])
 
 
 def run_step(exp: Experiment) -> Prediction:
@@ -141,7 +142,7 @@ def run_step(exp: Experiment) -> Prediction:
 
 
 # ---- simulated experiments ----------------------------------------------------------------------------
-def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, object, float]:
+def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], Any, Any, float]:
     """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails.
     Returns (per-replica recorded costs, requests frame, recorder, the frontend latency)."""
     from simengine.metrics.frames import requests_frame
@@ -151,7 +152,7 @@ def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], object, obj
     rec_costs = []
     for rep in runner.replicas:
         rc = RecordingCost(rep.cost)
-        rep.cost = rc   # Replica reads self.cost when its process first runs, i.e. inside run()
+        rep.cost = rc  # type: ignore[assignment]  # prices as the cost model does; Replica reads self.cost when its process first runs, i.e. inside run()
         rec_costs.append(rc)
     recorder = runner.run().recorder
     frame = requests_frame(recorder)

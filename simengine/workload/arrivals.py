@@ -46,15 +46,21 @@ class ArrivalConfig(Checked):
         if self.process == "closed_loop" and self.concurrency is None:
             raise InputError("closed_loop arrivals need concurrency >= 1", field="workload.arrival.concurrency")
 
+    @property
+    def rate_req_s(self) -> float:
+        """`rate`, which __post_init__ requires of every process that has one (0 for offline and closed_loop)."""
+        return self.rate or 0.0
+
     def rate_at(self, t: float) -> float:
         """Instantaneous rate (req/s) of the time-varying processes."""
+        rate = self.rate_req_s
         if self.process == "ramp":
             if t >= self.ramp_duration_s:
-                return self.rate
-            return self.ramp_start_rate + (self.rate - self.ramp_start_rate) * t / self.ramp_duration_s
+                return rate
+            return self.ramp_start_rate + (rate - self.ramp_start_rate) * t / self.ramp_duration_s
         if self.process == "diurnal":
-            return self.rate * (1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period_s))
-        return self.rate or 0.0
+            return rate * (1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period_s))
+        return rate
 
 
 def arrival_times(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
@@ -62,18 +68,18 @@ def arrival_times(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s:
     if cfg.process in ("offline", "closed_loop"):
         return np.full(n, start_s)
     if cfg.process == "constant":
-        return start_s + np.arange(1, n + 1) / cfg.rate
+        return start_s + np.arange(1, n + 1) / cfg.rate_req_s
     if cfg.process == "poisson":
-        return start_s + np.cumsum(rng.exponential(1.0 / cfg.rate, n))
+        return start_s + np.cumsum(rng.exponential(1.0 / cfg.rate_req_s, n))
     if cfg.process == "gamma":
         b = cfg.burstiness
-        return start_s + np.cumsum(rng.gamma(shape=b, scale=1.0 / (cfg.rate * b), size=n))
+        return start_s + np.cumsum(rng.gamma(shape=b, scale=1.0 / (cfg.rate_req_s * b), size=n))
     return _thinned(cfg, rng, n, start_s)
 
 
 def _thinned(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
     """Non-homogeneous Poisson by thinning (Lewis and Shedler 1979) against the curve's maximum rate."""
-    peak = max(cfg.rate, cfg.ramp_start_rate) if cfg.process == "ramp" else cfg.rate * (1 + cfg.amplitude)
+    peak = max(cfg.rate_req_s, cfg.ramp_start_rate) if cfg.process == "ramp" else cfg.rate_req_s * (1 + cfg.amplitude)
     out = np.empty(n)
     t, k = start_s, 0
     while k < n:

@@ -57,23 +57,32 @@ class Dist(Checked):
     def _bounds(self, knots) -> tuple[float, float]:
         return (self.min if self.min is not None else knots[0][0], self.max if self.max is not None else knots[-1][0])
 
+    def _given(self, name: str) -> float:
+        """A parameter __post_init__ required for this `dist` (never None here)."""
+        value = getattr(self, name)
+        assert value is not None, f"{self.dist} without {name}"
+        return value
+
     def sample(self, rng: np.random.Generator, n: int | None = None) -> np.ndarray | float:
         size = n if n is not None else None
+        x: np.ndarray | float
         if self.dist == "constant":
-            x = np.full(n, self.value, dtype=float) if n is not None else float(self.value)
+            x = np.full(n, self._given("value"), dtype=float) if n is not None else float(self._given("value"))
         elif self.dist == "uniform":
-            x = rng.uniform(self.low, self.high, size)
+            x = rng.uniform(self._given("low"), self._given("high"), size)
         elif self.dist == "lognormal":
-            mu = math.log(max(self.mean, 1e-12)) - self.sigma ** 2 / 2
-            x = rng.lognormal(mu, self.sigma, size)
+            sigma = self._given("sigma")
+            mu = math.log(max(self._given("mean"), 1e-12)) - sigma ** 2 / 2
+            x = rng.lognormal(mu, sigma, size)
         elif self.dist == "empirical":
-            lo, hi = self._bounds(check_table(self.table))
-            scale = 1.0 if self.mean is None else scale_for_mean(self.table, float(self.mean), lo, hi)
-            return sample_table(self.table, rng, n, scale=scale, lo=lo, hi=hi)
+            table = str(self.table)
+            lo, hi = self._bounds(check_table(table))
+            scale = 1.0 if self.mean is None else scale_for_mean(table, float(self.mean), lo, hi)
+            return sample_table(table, rng, n, scale=scale, lo=lo, hi=hi)
         elif self.dist == "normal":
-            x = rng.normal(self.mean, self.sigma, size)
+            x = rng.normal(self._given("mean"), self._given("sigma"), size)
         else:
-            x = rng.exponential(self.mean, size)
+            x = rng.exponential(self._given("mean"), size)
         if self.min is None and self.max is None:
             return x
         lo = self.min if self.min is not None else -math.inf
@@ -85,11 +94,11 @@ class Dist(Checked):
     def sample_int(self, rng: np.random.Generator, n: int | None = None, *, at_least: int = 1):
         """Integer samples (uniform is inclusive of `high`), never below `at_least`."""
         if self.dist == "uniform":
-            x = rng.integers(int(self.low), int(self.high) + 1, n)
-            return np.maximum(x, at_least) if n is not None else max(int(x), at_least)
+            drawn = rng.integers(int(self._given("low")), int(self._given("high")) + 1, n)
+            return np.maximum(drawn, at_least) if n is not None else max(int(drawn), at_least)
         x = self.sample(rng, n)
         if n is None:
-            return max(int(round(x)), at_least)
+            return max(round(float(x)), at_least)
         return np.maximum(np.rint(x).astype(np.int64), at_least)
 
 

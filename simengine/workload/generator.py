@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -43,7 +42,7 @@ class RequestFactory:
     # Simulation speed, not workload: mark the fresh draws of requests without a next turn private, so the paged KV
     # manager never hashes or publishes blocks nobody else can look up. Same results either way
     # (tests/engines/test_fast_paths.py).
-    mark_private: ClassVar[bool] = True
+    mark_private: bool = True
 
     def __init__(self, cfg: WorkloadConfig, seed: int, vocab_size: int, max_model_len: int, *, exact: bool = False):
         self.cfg = cfg
@@ -165,6 +164,7 @@ class RequestFactory:
         from simengine.workload.traces import ReplayOptions, prompt_token_ids_from_hash_ids, read_trace
 
         tc = self.cfg.trace
+        assert tc is not None, "a trace workload without its trace"
         path = resolve_trace_path(tc)
         opts = ReplayOptions(start_s=tc.start_s, end_s=tc.end_s, time_scale=tc.time_scale, rate_scale=tc.rate_scale,
                              max_requests=tc.max_requests or self.cfg.num_requests)
@@ -190,6 +190,7 @@ class RequestFactory:
     def session(self, index: int) -> SessionPlan:
         """A session's deterministic plan: its own random stream, turn count, start offset and class."""
         s = self.cfg.sessions
+        assert s is not None, "a session plan without sessions"
         rng = np.random.default_rng(np.random.SeedSequence(self._session_entropy, spawn_key=(index,)))
         turns = int(s.turns.sample_int(rng))
         offset = float(rng.uniform(0, s.start_spread_s)) if s.start_spread_s else 0.0
@@ -201,6 +202,7 @@ class RequestFactory:
     def session_turn(self, plan: SessionPlan, now: float, previous: Request | None) -> Request:
         """The next turn: previous prompt + previous output + new user/tool tokens."""
         s = self.cfg.sessions
+        assert s is not None, "a session turn without sessions"
         rng = plan.rng
         user = self.tokens(rng, int(s.user_tokens.sample_int(rng)))
         _, n_out, cap = self.lengths(rng, plan.klass)
@@ -224,10 +226,12 @@ class RequestFactory:
         return np.concatenate([prompt[:keep_head], prompt[-tail:]])
 
     def think_time(self, plan: SessionPlan) -> float:
-        return float(max(0.0, self.cfg.sessions.think_time_s.sample(plan.rng)))
+        assert self.cfg.sessions is not None
+        return max(0.0, float(self.cfg.sessions.think_time_s.sample(plan.rng)))
 
     def session_start_times(self, horizon_s: float) -> Iterator[float]:
         """Open session arrivals (Poisson at sessions.arrival_rate) up to the horizon."""
+        assert self.cfg.sessions is not None and self.cfg.sessions.arrival_rate is not None
         rate = self.cfg.sessions.arrival_rate
         t = 0.0
         while True:

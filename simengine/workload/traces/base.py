@@ -67,7 +67,7 @@ class Trace:
             return False
         same = all(np.array_equal(getattr(self, f), getattr(other, f))
                    for f in ("arrival_s", "input_tokens", "output_tokens"))
-        if same and self.block_hash_ids is not None:
+        if same and self.block_hash_ids is not None and other.block_hash_ids is not None:
             same = len(self.block_hash_ids) == len(other.block_hash_ids) and all(
                 np.array_equal(a, b) for a, b in zip(self.block_hash_ids, other.block_hash_ids))
         return same
@@ -337,7 +337,7 @@ def build_trace(rel_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.n
     r = float(options.rate_scale)
     if r < 1.0:
         gen = rng if rng is not None else np.random.default_rng(0)
-        keep = gen.random(idx.shape[0]) < r
+        keep = np.asarray(gen.random(idx.shape[0]) < r)
         if not keep.any():
             raise InputError(f"rate_scale {r:g} thinned all {idx.shape[0]} requests away; use a larger "
                              "rate_scale or a wider time window", field="rate_scale")

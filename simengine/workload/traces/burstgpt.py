@@ -58,7 +58,7 @@ def read_burstgpt(path: str | Path, options: ReplayOptions, rng: np.random.Gener
         n_out = parse_count(row[io], p, line, COL_OUT)
         outs.append(n_out)
         ok = keep_failed or n_out > 0
-        if wanted is not None:
+        if wanted is not None and im is not None:
             model = row[im].strip()
             seen_models.add(model)
             ok = ok and model.lower() in wanted

@@ -39,10 +39,11 @@ def _whole(value: object, key: str, where: str, minimum: int) -> int:
         if not value.is_integer():
             raise InputError(f"expected a whole number >= {minimum}, got {value!r}", source=where, field=key)
         value = int(value)
-    if value < minimum:
-        what = "negative value" if value < 0 else "value"
-        raise InputError(f"{what} {value}; expected a whole number >= {minimum}", source=where, field=key)
-    return int(value)
+    number = int(math.trunc(value))   # an int (or an integer-valued float), after the checks above
+    if number < minimum:
+        what = "negative value" if number < 0 else "value"
+        raise InputError(f"{what} {number}; expected a whole number >= {minimum}", source=where, field=key)
+    return number
 
 
 def read_mooncake(path: str | Path, options: ReplayOptions, rng: np.random.Generator | None = None, *,
@@ -86,7 +87,7 @@ def read_mooncake(path: str | Path, options: ReplayOptions, rng: np.random.Gener
                 if len(h) != need:
                     raise InputError(f"has {len(h)} ids but input_length {n_in} needs ceil({n_in}/{block_tokens})"
                                      f" = {need} blocks", source=where, field="hash_ids")
-                stamps.append(ts)
+                stamps.append(float(ts))
                 ins.append(n_in)
                 outs.append(n_out)
                 lens.append(len(h))
