@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -10,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
 
 
 def save_figure(fig, path: Path, dpi: int = 100) -> Path:
@@ -80,7 +82,7 @@ def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
         ax2.plot(s["end_s"], s["wait"], color="tab:orange", label="waiting", alpha=0.8)
         ax2.set_ylabel("requests")
         lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-        fig.legend(lines, [ln.get_label() for ln in lines], loc="outside lower center", ncol=3, fontsize=8)
+        fig.legend(lines, [str(ln.get_label()) for ln in lines], loc="outside lower center", ncol=3, fontsize=8)
     ax1.set_ylim(0, 105)
     ax1.set_xlabel("simulated time (s)")
     ax1.set_ylabel("KV usage (%)")
@@ -143,14 +145,21 @@ def _cdf(ax, values: np.ndarray, total: int, label: str, color) -> None:
         ax.plot(v, np.arange(1, len(v) + 1) / max(total, len(v)), label=label, color=color)
 
 
+def _listed_colors(name: str) -> list:
+    """The colours of a qualitative (listed) colour map."""
+    cmap = plt.get_cmap(name)
+    assert isinstance(cmap, ListedColormap), f"{name} is not a listed colour map"
+    return [tuple(c) for c in np.asarray(cmap.colors, dtype=float).tolist()]
+
+
 # A qualitative palette of 12 distinct colours (tab10, then black and olive-gold): no two engines share a hue
 # family up to 12; beyond, tab20's lighter shades follow.
-PALETTE = [*plt.get_cmap("tab10").colors, (0.0, 0.0, 0.0), (0.72, 0.53, 0.04)]
+PALETTE = [*_listed_colors("tab10"), (0.0, 0.0, 0.0), (0.72, 0.53, 0.04)]
 
 
 def engine_colors(labels: list[str]) -> dict[str, tuple]:
     """One distinct colour per engine label."""
-    extra = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i % 2]   # the light shades
+    extra = [c for i, c in enumerate(_listed_colors("tab20")) if i % 2]   # the light shades
     colors = PALETTE + extra
     return {lb: colors[i % len(colors)] for i, lb in enumerate(labels)}
 
@@ -202,7 +211,7 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
     a_tpl.set_yscale("log")
     a_tpl.set_xlabel(xlabel)
     a_tpl.set_ylabel("TPOT (ms/token)")
-    legend: dict[str, object] = {}   # one legend for every panel, below them: an entry per engine, then SLO lines
+    legend: dict[str, Any] = {}   # one legend for every panel, below them: an entry per engine, then SLO lines
     for ax in (a_ttft, a_tpot, a_kv, a_tl, a_tpl):
         ax.grid(alpha=0.3)
         for handle, name in zip(*ax.get_legend_handles_labels()):
