@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class Request:
         "request_id", "arrival_s", "prompt_len", "output_len", "max_tokens", "token_ids", "priority",
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
-        "block_hashes", "fail_reason", "slo_class", "engine_state", "structured", "kv_settled_tokens",
+        "block_hashes", "fail_reason", "slo_class", "structured", "kv_settled_tokens",
         "hash_batch", "unique_outputs", "private_from", "token_times", "hold_kv", "remote_kv_tokens",
         "lora_id", "lora_rank",
     )
@@ -74,7 +74,6 @@ class Request:
         # a block holding one can only be found by this request itself, after giving its blocks up unfinished
         self.private_from = len(token_ids) if private_from is None else min(private_from, len(token_ids))
         self.fail_reason = ""
-        self.engine_state: Any = None  # a policy's private per-request bookkeeping
         self.kv_settled_tokens = 0    # KVCacheManager: computed tokens its blocks take with no allocation or
                                       # prefix publish (its per-step fast path); 0 = ask the manager
         self.token_times: array | None = None  # when set (the runner's detailed requests): each output token's time

@@ -30,9 +30,7 @@ Ordered = tuple[int, Request]   # (running-order number, request)
 
 
 class DecodeCohort:
-    """The lazily advanced steady decodes of one engine, and the running order of the others.
-
-    A member's `Request.engine_state` is the step it joined (or was last brought up to date at)."""
+    """The lazily advanced steady decodes of one engine, and the running order of the others."""
 
     def __init__(self, kv: KVCacheManager, token_limit: int, chunk: Callable[[Request, int], int] | None = None):
         self.kv = kv
@@ -41,6 +39,7 @@ class DecodeCohort:
         self.steps_done = 0                # engine updates applied: the cohort's clock
         self.last_step_end_s = -1.0
         self.members: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1)
+        self.joined: dict[int, int] = {}   # request_id -> the step a member joined at (or was last brought up to date)
         self.context = 0                   # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
         self.events: dict[int, list[Ordered]] = {}  # step -> members whose blocks change or whose last token is due
         # then (a calendar: every step's list is taken whole)
@@ -83,7 +82,7 @@ class DecodeCohort:
         """Every member's counters as of now (they stay members)."""
         for req, _ in self.members.values():
             self._materialise(req)
-            req.engine_state = self.steps_done
+        self.joined = dict.fromkeys(self.joined, self.steps_done)
 
     def schedule_running(self, out: SchedulerOutput) -> int | None:
         """The running-request part of a step with the cohort advanced as a whole: steady others join it, members
@@ -91,7 +90,7 @@ class DecodeCohort:
         leave it and the others take their tokens. Returns the budget left, or None after dissolving the cohort when
         the exact loop must decide (a cap could bind or an allocation fail)."""
         self.in_flight = 0
-        step, cohort, events = self.steps_done, self.members, self.events
+        step, cohort, events, joined = self.steps_done, self.members, self.events, self.joined
         others, prev = [], self.last_step_end_s
         kv = self.kv
         bs = kv.block_size
@@ -105,7 +104,7 @@ class DecodeCohort:
             if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
                     and out_tokens + 1 < req.output_len and not req.structured and req.token_times is None):
                 cohort[req.request_id] = (req, 1)
-                req.engine_state = step
+                joined[req.request_id] = step
                 self.context += req.prompt_len + out_tokens - step
                 kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
                 last_in = req.output_len - 1 - out_tokens  # steps to its last token
@@ -163,7 +162,7 @@ class DecodeCohort:
             if computed + n > req.kv_settled_tokens and not (append(req) if n == 1 else allocate(req, n)):
                 raise RuntimeError(f"decode cohort step: allocation for request {req.request_id} failed after the "
                                    "block check")
-            if req.engine_state is not None:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
+            if req.request_id in cohort:  # a member: queue its next event (kv_in, last_in >= 1 after allocating)
                 kv_in = req.kv_settled_tokens - computed
                 last_in = req.output_len - 1 - req.num_output_tokens
                 events.setdefault(step + (kv_in if kv_in < last_in else last_in), []).append((order, req))
@@ -174,8 +173,8 @@ class DecodeCohort:
         """Every member back to exact per-request scheduling (a step the cohort cannot take as a whole)."""
         for req, _ in self.members.values():
             self._materialise(req)
-            req.engine_state = None
         self.members.clear()
+        self.joined.clear()
         self.events.clear()
         self.context = 0
         self.phase_of.clear()
@@ -195,18 +194,19 @@ class DecodeCohort:
             now_due.sort()
         prev = self.last_step_end_s
         leavers = False
+        joined = self.joined
         for order, req in now_due:
-            steps = step - req.engine_state  # _materialise's counters, inline
+            rid = req.request_id
+            steps = step - joined[rid]  # _materialise's counters, inline
             if steps:
                 req.num_computed_tokens += steps
                 req.num_output_tokens += steps
                 req.last_token_s = prev
-            req.engine_state = step
             if req.num_output_tokens + 1 < req.output_len:
+                joined[rid] = step
                 due.append((order, req, 1))
                 continue
-            req.engine_state = None
-            rid = req.request_id
+            del joined[rid]
             del self.members[rid]
             self.context -= req.prompt_len + req.num_output_tokens - step
             phase = self.phase_of.pop(rid, None)
@@ -221,7 +221,7 @@ class DecodeCohort:
 
     def _materialise(self, req: Request) -> None:
         """Write a member's counters as of now, and put a counted member's blocks in its table."""
-        steps = self.steps_done - req.engine_state
+        steps = self.steps_done - self.joined[req.request_id]
         if steps:
             req.num_computed_tokens += steps
             req.num_output_tokens += steps

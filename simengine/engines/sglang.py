@@ -29,7 +29,7 @@ from simengine.engines.sglang_config import (
 )
 from simengine.engines.sglang_policy import AddResult, PrefillAdder, order_waiting, reserve_tokens, reserved_tokens
 from simengine.engines.speculative import Speculation
-from simengine.kvcache.radix import RadixCache, radix_tokens
+from simengine.kvcache.radix import RadixCache, RadixHold, radix_tokens
 
 INIT_NEW_TOKEN_RATIO = 0.7          # environ.py SGLANG_INIT_NEW_TOKEN_RATIO (x schedule_conservativeness)
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # environ.py SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
@@ -82,6 +82,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.batch_size_limit = self.max_running_requests
         self.cache = RadixCache(tokens, page_size=p.page_size, enabled=not p.disable_radix_cache)
         self.host = sglang_host_tier(p, dep, tokens)
+        self.holds: dict[int, RadixHold] = {}   # request id -> its claim on the radix pool (locked prefix, slots)
         self.onboarded = 0                    # tokens this step loads back from the host tier
         cache_aware = p.schedule_policy in ("lpm", "dfs-weight")
         # without the tree, cache-aware policies fall back to fcfs (_validate_and_adjust_policy)
@@ -148,7 +149,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         return True
 
     def release(self, req: Request) -> None:
-        hold = req.engine_state
+        hold = self.holds.get(req.request_id)
         if hold is not None:
             self.cache.commit(hold, radix_tokens(req)[:req.num_computed_tokens])   # cache_finished_req
             if self.host is not None:
@@ -156,13 +157,11 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if req.hold_kv:   # P/D prefill side: locked until the decode side has pulled it
                 self.held[req.request_id] = req
             else:
-                self.cache.release(hold)
-                req.engine_state = None
+                self.cache.release(self.holds.pop(req.request_id))
         self._entry.pop(req.request_id, None)
 
     def free_kv(self, req: Request) -> None:
-        self.cache.release(req.engine_state)
-        req.engine_state = None
+        self.cache.release(self.holds.pop(req.request_id))
 
     def on_finished(self, finished: list[Request], now: float) -> None:
         done = {id(r) for r in finished}
@@ -175,16 +174,17 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         res = super().update(out, now)
         if self.speculation is not None:   # the verify step frees the slots of rejected drafts (page size 1)
             for req, n in out.scheduled:
-                hold = req.engine_state
+                hold = self.holds.get(req.request_id)
                 if n > 1 and hold is not None and req.num_output_tokens > 1:
                     extra = hold.cached + hold.private - req.num_computed_tokens
                     if extra > 0:
                         self.cache.shrink(hold, extra)
         for req in self._prefilled:   # cache_unfinished_req: the computed prompt becomes matchable at once
-            if req.status is Status.RUNNING and req.engine_state is not None:
-                self.cache.commit(req.engine_state, radix_tokens(req)[:req.num_computed_tokens])
+            hold = self.holds.get(req.request_id)
+            if req.status is Status.RUNNING and hold is not None:
+                self.cache.commit(hold, radix_tokens(req)[:req.num_computed_tokens])
                 if self.host is not None:
-                    self.host.back_up(req, req.engine_state.cached)
+                    self.host.back_up(req, hold.cached)
         self._prefilled = []
         return res
 
@@ -221,7 +221,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._order_waiting()
         mixed = list(self.running) if p.enable_mixed_chunk else []
         cps = self.chunked_prefill_size
-        adder = PrefillAdder(self.cache, self.host, p.max_prefill_tokens - len(mixed),
+        adder = PrefillAdder(self.cache, self.host, self.holds, p.max_prefill_tokens - len(mixed),
                              cps - len(mixed) if cps > 0 else None,
                              reserved_tokens(self.running) * self.new_token_ratio + len(mixed))
         if self.chunked is not None:
@@ -261,12 +261,12 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         """prepare_for_extend: allocate the chunks, move requests between queues, append mixed decodes."""
         cache, taken = self.cache, set()
         for req, n in adder.admitted:
-            hold = req.engine_state
+            hold = self.holds[req.request_id]
             host = adder.loading_back.get(req.request_id, 0)
             if not cache.grow(hold, n + host):     # cannot happen while the adder's accounting holds; be safe
                 if req is not self.chunked:
-                    cache.release(hold)
-                    req.engine_state, req.num_computed_tokens = None, 0
+                    cache.release(self.holds.pop(req.request_id))
+                    req.num_computed_tokens = 0
                 continue
             if host and self.host is not None:
                 self.onboarded += host
@@ -288,7 +288,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.waiting = [r for r in self.waiting if id(r) not in taken]
         if mixed and cache.available() >= len(mixed):   # enable_mixed_chunk: decodes ride along
             for r in mixed:
-                cache.grow(r.engine_state, 1)
+                cache.grow(self.holds[r.request_id], 1)
                 out.scheduled.append((r, 1))
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
@@ -304,8 +304,9 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         # the slots taken at once (evictions follow the LRU order whatever the grouping)
         if not self.cache.alloc(sum(sizes)):
             raise RuntimeError("sglang decode allocation failed after retraction")
+        holds = self.holds
         for req, n in zip(self.running, sizes):
-            req.engine_state.private += n
+            holds[req.request_id].private += n
         out.scheduled += zip(self.running, sizes)
 
     def _retract(self, out: SchedulerOutput, slots: int = 1) -> None:
@@ -347,7 +348,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             if not self.cache.grow(hold, req.prompt_len):
                 self.cache.release(hold)
                 break
-            req.engine_state = hold
+            self.holds[req.request_id] = hold
             self.reserved_for_remote(req, req.prompt_len, out)
             active += 1
             taken += 1
@@ -377,8 +378,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         del self.prebuilt[:room]
 
     def _retract_one(self, req: Request, out: SchedulerOutput) -> None:
-        self.cache.release(req.engine_state)      # its inserted prompt stays in the tree, now evictable
-        req.engine_state = None
+        self.cache.release(self.holds.pop(req.request_id))   # its inserted prompt stays in the tree, now evictable
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
@@ -392,6 +392,6 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             self.host.tier.check_invariants()
         holders = (self.running + ([self.chunked] if self.chunked is not None else []) + list(self.held.values())
                    + list(self.loading.values()) + self.prebuilt)
-        assert sum(r.engine_state.private for r in holders) == self.cache.req_tokens, "private slot leak"
+        assert sorted(r.request_id for r in holders) == sorted(self.holds), "a hold without its request"
+        assert sum(h.private for h in self.holds.values()) == self.cache.req_tokens, "private slot leak"
         assert len(self.running) <= self.max_running_requests
-        assert all(r.engine_state is None for r in self.waiting), "a waiting request holds KV"

@@ -9,7 +9,7 @@ from enum import Enum
 
 from simengine.core.request import Request
 from simengine.kvcache.host_tier import TokenHostTier
-from simengine.kvcache.radix import RadixCache, radix_tokens
+from simengine.kvcache.radix import RadixCache, RadixHold, radix_tokens
 
 CLIP_MAX_NEW_TOKENS = 4096          # schedule_policy.py SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 LPM_QUEUE_LIMIT = 128               # schedule_policy.py _determine_active_policy: lpm -> fcfs above this
@@ -36,11 +36,11 @@ class AddResult(Enum):
 class PrefillAdder:
     """PrefillAdder: the budgets of one prefill batch. `offset` holds the reserved tokens (the running decodes' growth
     x new_token_ratio, then this batch's admissions); a request is admitted while free + evictable - offset covers its
-    prompt, its growth and a page. Admitted requests hold their radix prefix (Request.engine_state)."""
+    prompt, its growth and a page. Admitted requests hold their radix prefix (in `holds`, by request id)."""
 
-    def __init__(self, cache: RadixCache, host: TokenHostTier | None, rem_input: int, rem_chunk: int | None,
-                 offset: float):
-        self.cache, self.host = cache, host
+    def __init__(self, cache: RadixCache, host: TokenHostTier | None, holds: dict[int, RadixHold], rem_input: int,
+                 rem_chunk: int | None, offset: float):
+        self.cache, self.host, self.holds = cache, host, holds
         self.rem_input = rem_input
         self.rem_chunk = rem_chunk       # None: chunked prefill off
         self.offset = offset
@@ -84,7 +84,7 @@ class PrefillAdder:
             if n <= 0:
                 cache.release(hold)
                 return AddResult.OTHER
-        req.engine_state = hold
+        self.holds[req.request_id] = hold
         req.num_computed_tokens = hold.cached + host
         self._charge(n, reserve)
         if host:   # load_back: device slots for the host tokens, copied in layer by layer during the forward

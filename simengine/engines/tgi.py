@@ -108,6 +108,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
                                 enabled=p.prefix_caching and p.attention != "paged")
         self.queue: deque[Request] = deque()
         self.batch: list[Request] = []
+        self.visits: dict[int, _Entry] = {}   # request id -> its current queue visit (batch members)
         self.decode_next = False      # after a mixed/new prefill forward, a decode forward follows
         self.waiting_tokens = 1
         self.step_token_limit = max(-(-self.mbpt // self.block) * self.block,
@@ -166,11 +167,10 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
 
     def release(self, req: Request) -> None:
         """Free the visit's allocation; its prompt's full blocks enter the radix trie (radix.rs free)."""
-        e: _Entry | None = req.engine_state
+        e = self.visits.pop(req.request_id, None)
         if e is not None:
             self.cache.commit(e.hold, req.token_ids[:e.prompt])
             self.cache.release(e.hold)
-            req.engine_state = None
 
     def on_finished(self, finished: list[Request], now: float) -> None:
         done = {id(r) for r in finished}
@@ -180,8 +180,9 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         res = super().update(out, now)
+        visits = self.visits
         ended = [r for r, _ in out.scheduled if r.status is Status.RUNNING
-                 and r.num_output_tokens - r.engine_state.out_start >= r.engine_state.max_new]
+                 and r.num_output_tokens - visits[r.request_id].out_start >= visits[r.request_id].max_new]
         for req in ended:       # 1024 tokens generated: back to the tail with the text appended to the prompt
             self.batch.remove(req)
             self.release(req)
@@ -293,7 +294,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         return _Entry(hold, prompt, req.num_output_tokens, max_new)
 
     def _admit(self, req: Request, e: _Entry, prefix: int, now: float) -> None:
-        req.engine_state = e
+        self.visits[req.request_id] = e
         req.num_computed_tokens = prefix
         self.cache.record_lookup(e.prompt, prefix)
         if req.num_cached_tokens < 0:
@@ -303,6 +304,6 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
-        assert sum(r.engine_state.hold.private for r in self.batch) == self.cache.req_tokens, "private slot leak"
-        assert all(r.engine_state is None for r in self.queue), "a queued request holds KV"
+        assert sorted(r.request_id for r in self.batch) == sorted(self.visits), "a visit outside the batch"
+        assert sum(e.hold.private for e in self.visits.values()) == self.cache.req_tokens, "private slot leak"
         assert len(self.batch) <= self.params.max_concurrent_requests

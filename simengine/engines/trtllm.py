@@ -34,8 +34,6 @@ from simengine.engines.trtllm_reuse import ContextReuse
 from simengine.errors import InputError
 from simengine.kvcache.manager import NO_HIT, PrefixHit
 
-_OVERLAP_TAIL = "overlap_tail"   # engine_state of a request finished on the GPU, awaiting its extra overlap step
-
 
 def _order(req: Request) -> tuple[float, int]:
     return req.arrival_s, req.request_id   # PyExecutor keeps active_requests in arrival order
@@ -87,6 +85,7 @@ class TrtllmEngine(PagedEngine):
         self.max_model_len = min(p.max_seq_len or dep.model.max_model_len, num_blocks * p.tokens_per_block)
         self.running: list[Request] = []   # started (holding KV), arrival order; includes overlap tails
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
+        self.tails: set[int] = set()   # finished on the GPU, awaiting the overlap scheduler's extra step
         self.reuse = ContextReuse(self.kv)   # beneficialToSkip and the blocks contexts produce this step
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
         self.onboarded = 0                    # tokens this step copies in from the host pool
@@ -128,7 +127,7 @@ class TrtllmEngine(PagedEngine):
         return True
 
     def release(self, req: Request) -> None:
-        req.engine_state = None
+        self.tails.discard(req.request_id)
         super().release(req)
 
     def on_finished(self, finished: list[Request], now: float) -> None:
@@ -140,11 +139,13 @@ class TrtllmEngine(PagedEngine):
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
         if not self.overlap:
             return super().update(out, now)
-        tails = [r for r, _ in out.scheduled if r.engine_state == _OVERLAP_TAIL]
-        live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.engine_state != _OVERLAP_TAIL])
+        ending = self.tails
+        tails = [r for r, _ in out.scheduled if r.request_id in ending]
+        live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending])
         res = super().update(live, now)
         for req in res.finished:  # sampled its last token, but step n+1 was launched before the stop check
-            req.status, req.finish_s, req.engine_state = Status.RUNNING, -1.0, _OVERLAP_TAIL
+            req.status, req.finish_s = Status.RUNNING, -1.0
+            ending.add(req.request_id)
         res.finished = []
         for req in tails:
             req.num_computed_tokens += 1
@@ -360,7 +361,7 @@ class TrtllmEngine(PagedEngine):
         """Pause the most recently started request in order[i:end] (recompute); return the new end or -1."""
         for j in range(end - 1, i - 1, -1):
             victim = order[j]
-            if victim.status is Status.RUNNING and victim.engine_state != _OVERLAP_TAIL:
+            if victim.status is Status.RUNNING and victim.request_id not in self.tails:
                 self.running.remove(victim)
                 self.kv.free(victim)   # its full blocks stay reusable: the resume is a partial recompute
                 victim.num_computed_tokens = 0

@@ -6,7 +6,8 @@ from simengine.api import run_engine
 from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.request import Status
-from simengine.engines.mlc import MlcEngine, MlcParams, mlc_engine_config, mlc_memory_tokens
+from simengine.engines.mlc import MlcEngine
+from simengine.engines.mlc_config import MlcParams, mlc_engine_config, mlc_memory_tokens
 from simengine.errors import InputError
 from simengine.sim.build import build_engine
 from tests.conftest import make_dep, make_request

@@ -117,7 +117,7 @@ def test_retraction_takes_the_fewest_outputs_and_resets_the_ratio():
         if preempted:
             break
     assert preempted == [b] and b.status is Status.PREEMPTED and b.num_computed_tokens == 0
-    assert eng.waiting[-1] is b and b.engine_state is None and b.num_preemptions == 1
+    assert eng.waiting[-1] is b and b.request_id not in eng.holds and b.num_preemptions == 1
     assert (a, 1) in out.scheduled                             # the decode proceeds in the same step
     assert eng.new_token_ratio == pytest.approx(min(1.0, (a.num_output_tokens - 1 + 20) / (500 + 1)))
     hits = eng.cache.hit_tokens

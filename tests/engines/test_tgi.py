@@ -36,8 +36,8 @@ def test_worst_case_reservation_at_admission_capped_at_1024_new_tokens():
     eng.add_request(small, 0.0)
     eng.add_request(large, 0.0)
     run_step(eng)
-    assert small.engine_state.hold.private == 100 + 50 - 1
-    assert large.engine_state.hold.private == 100 + 1024 - 1
+    assert eng.visits[small.request_id].hold.private == 100 + 50 - 1
+    assert eng.visits[large.request_id].hold.private == 100 + 1024 - 1
 
 
 def test_strict_fcfs_with_head_of_line_blocking():
@@ -105,11 +105,11 @@ def test_long_generations_are_requeued_every_1024_tokens_with_the_text_appended(
     eng.add_request(r, 0.0)
     drive(eng, 1024)
     assert r.num_output_tokens == 1024 and r.status is Status.WAITING and eng.queue[-1] is r
-    assert r.engine_state is None and eng.cache.req_tokens == 0
+    assert r.request_id not in eng.visits and eng.cache.req_tokens == 0
     assert eng.cache.tree_tokens == 100                # the visit's prompt entered the trie when freed
     out, _ = run_step(eng, 20.0)
     assert out.scheduled == [(r, 1024)]                # prompt hit; the generated text is re-prefilled
-    assert r.engine_state.hold.private == 1124 + (1500 - 1024) - 1 - 100
+    assert eng.visits[r.request_id].hold.private == 1124 + (1500 - 1024) - 1 - 100
     drive(eng, 475, 21.0)
     assert r.status is Status.FINISHED and r.num_preemptions == 0 and eng.num_preemptions == 0
 
