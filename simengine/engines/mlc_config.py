@@ -7,14 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from simengine.config.loader import (
-    BlockTokens,
-    Checked,
-    MemoryFraction,
-    PoolSize,
-    Sequences,
-    Tokens,
-)
+from simengine.config.loader import BlockTokens, Checked, MemoryFraction, PoolSize, Sequences, Tokens
 from simengine.engines.devices import gpu_visible_bytes
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 

@@ -9,16 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from simengine.config.loader import (
-    MAX_TOKENS,
-    BlockTokens,
-    Checked,
-    MemoryFraction,
-    PoolSize,
-    Range,
-    Sequences,
-    Tokens,
-)
+from simengine.config.loader import MAX_TOKENS, BlockTokens, Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import (

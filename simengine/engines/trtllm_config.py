@@ -8,15 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from simengine.config.loader import (
-    BlockTokens,
-    Checked,
-    MemoryFraction,
-    PoolSize,
-    Range,
-    Sequences,
-    Tokens,
-)
+from simengine.config.loader import BlockTokens, Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
