@@ -115,25 +115,24 @@ class SarathiEngine(PagedEngine):
         """Decodes in arrival order; a decode short of a block preempts from the back of the unscheduled rest."""
         kept: list[Request] = []
         prefills: list[Request] = []
-        used = 0
-        allocate = self.kv.allocate_slots
+        allocate, keep, take = self.kv.allocate_slots, kept.append, pending.popleft
         while pending:
-            req = pending.popleft()
+            req = take()
             produced, computed = req.num_output_tokens, req.num_computed_tokens
             if not produced or req.prompt_len + produced - computed != 1:  # Request.is_decoding, inline
                 prefills.append(req)  # a chunked prefill (or recompute) in progress: its blocks are held
                 continue
-            while computed >= req.kv_settled_tokens and not allocate(req, 1):  # held blocks take it, or allocate
-                victim = pending.pop() if pending else req
-                self._preempt(victim, out)
-                if victim is req:
+            if computed >= req.kv_settled_tokens:   # held blocks do not take its token: allocate
+                while not allocate(req, 1):
+                    victim = pending.pop() if pending else req
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                if req.status is Status.PREEMPTED:
                     break
-            if req.status is Status.PREEMPTED:
-                break
-            kept.append(req)
-            out.scheduled.append((req, 1))
-            used += 1
-        return kept, prefills, used
+            keep(req)
+        out.scheduled += [(req, 1) for req in kept]   # victims come from the unscheduled rest, never from kept
+        return kept, prefills, len(kept)
 
     def _schedule_prefills(self, out: SchedulerOutput, prefills: list[Request], used: int) -> int:
         """Ongoing prefills take chunks of what the decodes left of the budget."""
