@@ -53,7 +53,8 @@ class Replica:
     def scheduled(self, out: SchedulerOutput) -> None:
         """Bookkeeping after each schedule call: the count, and the disaggregation hooks."""
         self.schedules += 1
-        if out.kv_reserved and self.on_kv_reserved is not None:
+        if out.kv_reserved:
+            assert self.on_kv_reserved is not None, "a decode-role engine reserved KV on a replica without a KV path"
             self.on_kv_reserved(out.kv_reserved, self.index)
         for req in out.kv_loads:
             self.env.process(self._load_from_host(req))
