@@ -158,16 +158,8 @@ class MlcEngine(EnginePolicy):
 
     def _head_fits(self, out: SchedulerOutput, step: int) -> bool:
         """Whether _pick_prefills would pick the queue head (whole or a chunk) at the `step`-th repeat's call."""
-        chunk, n, page = self.cfg.prefill_chunk_size, len(out.scheduled), self.kv.block_size
-        state = self._state_at(out, step)
-        head = self.waiting[0]
-        length = head.num_tokens - head.num_computed_tokens
-        if self._can_prefill(n + 1, n + length, n + -(-length // page), state):
-            return True
-        if chunk - n >= length or chunk == n:
-            return False
-        rest = chunk - n
-        return self._can_prefill(n + 1, n + rest, n + -(-rest // page), state)
+        n, head = len(out.scheduled), self.waiting[0]
+        return self._take(n, n, n, head.num_tokens - head.num_computed_tokens, self._state_at(out, step))[0] > 0
 
     def _repeatable(self, out: SchedulerOutput, step: int) -> bool:
         """Whether the `step`-th repeat's schedule call would decode everyone with no other effect: its decodes
@@ -240,27 +232,34 @@ class MlcEngine(EnginePolicy):
 
     def _pick_prefills(self, n_dec: int) -> list[tuple[Request, int]]:
         """GetRequestStateEntriesToPrefill: whole inputs FCFS (attempt 1), else one chunk and stop (attempt 2)."""
-        chunk, page = self.cfg.prefill_chunk_size, self.kv.block_size
+        page = self.kv.block_size
         total_in = total_pages = n_dec
         picked: list[tuple[Request, int]] = []
         for req in self.waiting:
             length = req.num_tokens - req.num_computed_tokens
-            total_in += length
-            total_pages += -(-length // page)
-            while not self._has_space(total_pages, n_dec + len(picked), total_in) and self._try_free_memory():
+            pages = total_pages + -(-length // page)
+            while not self._has_space(pages, n_dec + len(picked), total_in + length) and self._try_free_memory():
                 pass
-            if self._can_prefill(n_dec + len(picked) + 1, total_in, total_pages):
-                picked.append((req, length))
-                continue
-            total_in -= length
-            total_pages -= -(-length // page)
-            if chunk - total_in >= length or chunk == total_in:
-                break  # not a chunk-size problem, or the chunk is full: chunking cannot help
-            length = chunk - total_in
-            if self._can_prefill(n_dec + len(picked) + 1, total_in + length, total_pages + -(-length // page)):
-                picked.append((req, length))
-            break
+            n, stop = self._take(n_dec + len(picked), total_in, total_pages, length)
+            if n:
+                picked.append((req, n))
+                total_in, total_pages = total_in + n, total_pages + -(-n // page)
+            if stop:
+                break
         return picked
+
+    def _take(self, batch: int, total_in: int, pages: int, length: int, state: tuple[int, int] | None = None
+              ) -> tuple[int, bool]:
+        """The tokens the next waiting input of `length` gets after `batch` sequences, `total_in` tokens and `pages`
+        pages are in the batch (all of them: attempt 1; the rest of the chunk: attempt 2; or 0), and whether admission
+        stops after it (always after attempt 2). Pure: `state` as in _has_space."""
+        chunk, page = self.cfg.prefill_chunk_size, self.kv.block_size
+        if self._can_prefill(batch + 1, total_in + length, pages + -(-length // page), state):
+            return length, False
+        if chunk - total_in >= length or chunk == total_in:
+            return 0, True   # not a chunk-size problem, or the chunk is full: chunking cannot help
+        rest = chunk - total_in
+        return (rest if self._can_prefill(batch + 1, total_in + rest, pages + -(-rest // page), state) else 0), True
 
     def _prefill(self, out: SchedulerOutput, now: float) -> bool:
         """NewRequestPrefill; False when it processes nothing (then BatchDecode runs)."""
