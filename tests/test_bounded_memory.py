@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simengine.api import compare, run_engine, write_plots, write_results
-from simengine.metrics import chunks, recorder, stream_stats
+from simengine.metrics import chunks, recorder, stream_stats, summary
 from simengine.metrics.chunks import Chunks, Spill, merged
 from simengine.metrics.frames import plot_requests, plot_steps, steps_frame
 from tests.conftest import make_scenario
@@ -150,3 +150,21 @@ def test_spill_files_go_with_the_run(on_disk):
     r.recorder.spill.close()
     assert not folder.exists()
     json.dumps(r.summary)
+
+
+def test_reason_codes_follow_first_appearance_so_a_run_summarises_alike_in_every_process():
+    """String codes are handed out in the order requests first show a string, not a set's hash order (which
+    PYTHONHASHSEED changes): `failure_reasons` names the first reason seen of a kind, the same in every process."""
+    from simengine.core.request import Request
+
+    rec = recorder.Recorder(chunk_rows=4)
+    reasons = [f"prompt of {100 + i} tokens exceeds max_num_tokens 64" for i in range(40)]
+    for i, reason in enumerate(reasons):
+        req = Request(i, 0.0, np.zeros(200, dtype=np.int32), 100 + i, 1)
+        req.fail_reason = reason
+        rec.request(req, 0, "failed")
+    rec.request_rows()   # flushes the rest
+    assert [s for s in rec.strings if s.startswith("prompt")] == reasons
+    counts = np.zeros(len(rec.strings), dtype=np.int64)
+    counts[[rec.strings.index(r) for r in reasons]] = 1
+    assert summary.failure_reasons(rec.strings, counts) == {reasons[0]: 40}

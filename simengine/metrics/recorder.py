@@ -108,7 +108,8 @@ class Recorder:
         rows = np.empty(len(cols[0]), dtype=REQUEST_DTYPE)
         for (name, code), col in zip(REQUEST_FIELDS, cols):
             if code == "s":
-                lookup = {s: self._code(s) for s in set(col)}
+                # codes in order of first appearance (not a set's hash order): the same run, the same codes
+                lookup = {s: self._code(s) for s in dict.fromkeys(col)}
                 rows[name] = [lookup[s] for s in col]
             else:
                 rows[name] = np.frombuffer(col, dtype=col.typecode)
