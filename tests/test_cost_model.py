@@ -56,7 +56,8 @@ def test_large_prefill_is_compute_bound():
     dep = make_dep()
     hw = dep.hardware
     c = cost(dep).step(BatchShape(prefill_chunks=[(4096, 0)], num_logits=1))
-    flops_s = hw.peak("bf16") * 0.5
+    flops_s = hw.peak("bf16") * hw.sustained_compute_fraction * 0.5   # the peak a device holds under load
+    assert hw.sustained_compute_fraction < 1.0
     linear = 4096 * 2 * dep.model.active_linear_params       # the LM head for one logit is memory-bound
     attn = 4096 * (0 + 4096 / 2) * 2 * 32 * (128 + 128) * 32
     assert c.compute_s == pytest.approx((linear + attn) / flops_s, rel=1e-9)
@@ -136,6 +137,31 @@ def kernel_models(hardware, model, tp, weight_dtype="bf16", kv=2.0, backend="trt
         out.append(CostModel(MeasuredKernels(w, t, system=dep.hardware.kernel_tables, backend=backend,
                                              custom_allreduce=True), timing))
     return out
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_sustained_fraction_slows_compute_bound_work_only(measured):
+    """A device's sustained compute fraction (the power-capped clock under continuous load over the burst clock
+    tables are timed at) divides compute-bound seconds and leaves memory-bound decode alone."""
+    if measured and data_root() is None:
+        pytest.skip("aiconfigurator-core is not installed")
+    dep = make_dep("h100_sxm", "llama-3.1-8b")
+    steps = (BatchShape(prefill_chunks=[(4096, 0)], num_logits=1),
+             BatchShape(num_decode=8, decode_context_tokens=8 * 500, num_logits=8, padded_decode=8))
+
+    def priced(fraction):
+        hw = dataclasses.replace(dep.hardware, sustained_compute_fraction=fraction)
+        w = StepWork(dep.model, hw, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes, tp=1)
+        t = DeviceTerms.of(w, hw, custom_allreduce=True)
+        k = (MeasuredKernels(w, t, system="h100_sxm", backend="vllm", custom_allreduce=True) if measured
+             else RooflineKernels(w, t))
+        return [CostModel(k, NO_OVERHEAD).step(s) for s in steps]
+
+    (pre1, dec1), (pre2, dec2) = priced(1.0), priced(0.8)
+    assert pre1.compute_s > 0.8 * pre1.seconds
+    assert pre2.compute_s == pytest.approx(pre1.compute_s / 0.8, rel=1e-9)
+    assert pre2.memory_s == pytest.approx(pre1.memory_s, rel=1e-12)
+    assert dec1.compute_s == 0.0 and dec2.seconds == pytest.approx(dec1.seconds, rel=1e-12)
 
 
 @needs_tables

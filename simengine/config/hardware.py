@@ -51,6 +51,7 @@ class EfficiencyYaml:
     gemm_fraction: float | dict[str, float]   # one value, or per compute dtype with a `default`
     memory_bandwidth_fraction: float
     kernel_floor_us: float = 0.0              # GPU time of the smallest kernel (launch-to-completion in a graph)
+    sustained_compute_fraction: float = 1.0   # compute-bound rate under continuous load / in a burst (MSMF / MAMF)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +100,9 @@ class Hardware:
     gemm_fractions: dict[str, float]   # achieved / peak per compute dtype; key "default" for the others
     memory_bandwidth_fraction: float
     kernel_floor_s: float = 0.0
+    # a compute-bound kernel's rate under continuous load (the power-capped clock) over its rate in the short bursts
+    # that kernel tables and GEMM microbenchmarks time; 1.0 where no sustained measurement of the device exists
+    sustained_compute_fraction: float = 1.0
     link_bandwidth_fraction: float = 1.0
     custom_allreduce_latency_s: float | None = None
     kernel_tables: str | None = None
@@ -194,6 +198,7 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         for k, v in fractions.items():
             check_fraction(v, f"efficiency.gemm_fraction.{k}" if isinstance(g, dict) else "efficiency.gemm_fraction")
         check_fraction(y.efficiency.memory_bandwidth_fraction, "efficiency.memory_bandwidth_fraction")
+        check_fraction(y.efficiency.sustained_compute_fraction, "efficiency.sustained_compute_fraction")
         check_fraction(y.interconnect.bandwidth_fraction, "interconnect.bandwidth_fraction")
     except InputError as exc:
         raise exc.located(src, None) from None
@@ -224,7 +229,9 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         node_size=y.node_size, tdp_w=y.tdp_w, price_usd_per_hour=y.price_usd_per_hour,
         price_source_date=None if y.price_source_date is None else str(y.price_source_date),
         gemm_fractions=fractions, memory_bandwidth_fraction=y.efficiency.memory_bandwidth_fraction,
-        kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6, link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
+        kernel_floor_s=y.efficiency.kernel_floor_us * 1e-6,
+        sustained_compute_fraction=y.efficiency.sustained_compute_fraction,
+        link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
         custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
         kernel_tables=y.kernel_tables, path=src, sm_count=y.sm_count,

@@ -469,8 +469,9 @@ class MeasuredKernels(RooflineKernels):
         return lat
 
     def _measured(self, f: dict, seconds: np.ndarray, compute_bound) -> None:
-        """Add measured seconds to the features, as compute- or memory-bound as the roofline classes the op."""
-        f["meas_c"] = f["meas_c"] + seconds * compute_bound
+        """Add measured seconds to the features, as compute- or memory-bound as the roofline classes the op; the
+        tables time bursts, so a compute-bound op runs at the device's sustained rate."""
+        f["meas_c"] = f["meas_c"] + seconds * compute_bound / self.sustained
         f["meas_m"] = f["meas_m"] + seconds * (1 - compute_bound)
 
     def token_features(self, tokens: np.ndarray) -> dict:
@@ -519,7 +520,7 @@ class MeasuredKernels(RooflineKernels):
         if self.prefill_grid is not None:
             for i, chunks in enumerate(prefill_chunks):
                 if chunks:
-                    f["meas_c"][i] += self._prefill_s(chunks)
+                    f["meas_c"][i] += self._prefill_s(chunks) / self.sustained
                     f["floors"][i] -= self.work.model.num_layers
             f["pre_c"], f["pre_m"] = 0.0 * f["pre_c"], 0.0 * f["pre_m"]
         if self.decode_grid is not None:
@@ -572,7 +573,7 @@ class MeasuredKernels(RooflineKernels):
     def prefill(self, chunks: list[tuple[int, int]]):
         if self.prefill_grid is None:
             return super().prefill(chunks)
-        sec = self._prefill_s(chunks)
+        sec = self._prefill_s(chunks) / self.sustained
         return sec, sec, 0.0, sec
 
     def decode(self, num_decode, context_tokens, maximum=max):
