@@ -97,6 +97,9 @@ def row_lengths(row: Measurement) -> tuple[dict, dict, str] | str:
             vocab = load_model(row.model, field="model").vocab_size
             means = SHAREGPT_MEANS_32K_VOCAB if vocab <= 32768 else SHAREGPT_MEANS
             note += f" at the sampler's means for a {vocab // 1000}k-vocabulary tokenizer"
+            if row.implied_output_mean:
+                means = (means[0], row.implied_output_mean)
+                note += " (output: the mean its source's output / request throughput implies)"
         (lo_in, hi_in), (lo_out, hi_out) = SHAREGPT_BOUNDS["input"], SHAREGPT_BOUNDS["output"]
         return ({"dist": "empirical", "table": "sharegpt_input", "mean": means[0], "min": lo_in, "max": hi_in},
                 {"dist": "empirical", "table": "sharegpt_output", "mean": means[1], "min": lo_out, "max": hi_out},

@@ -6,6 +6,7 @@ field holds a comma). Every problem is an InputError naming the file, the line a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class Measurement:
     notes: str = ""
     line: int = 0
     flags: frozenset[str] = field(default_factory=frozenset)
+    # mean output tokens per request of the row's dataset sample as its source's own table implies (output over
+    # request throughput of one run, `implied_output_means`); None where the notes state the means or nothing does
+    implied_output_mean: float | None = None
 
     @property
     def note_items(self) -> dict[str, str]:
@@ -203,4 +207,28 @@ def read_measurements(path: str | Path) -> list[Measurement]:
         rows.append(row)
     if not rows:
         raise InputError("has a header but no rows", source=str(p))
-    return rows
+    return implied_output_means(rows)
+
+
+IMPLIED_MEAN_SPREAD = 0.02   # runs of one sample whose output/request ratios differ by more imply nothing
+
+
+def implied_output_means(rows: list[Measurement]) -> list[Measurement]:
+    """Rows of a dataset sample whose notes state no mean lengths, given the mean output tokens per request that
+    their source's own table implies: a run measured as both output and request throughput (same source, engine,
+    device, model, TP and arrival) produced output / request tokens per request. A source's runs draw from one seeded
+    sampler on one dataset and tokenizer, so every row of that source, dataset and model takes the runs' mean (a run
+    of another size differs by sampling error only); runs that disagree by more than IMPLIED_MEAN_SPREAD imply
+    nothing."""
+    runs: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.dataset and r.metric in ("output_throughput_tok_s", "request_throughput"):
+            key = (r.source, r.dataset, r.model, r.engine, r.hardware, r.tp, r.pp, r.arrival, r.num_requests)
+            runs.setdefault(key, {})[r.metric] = r.value
+    ratios: dict[tuple, list[float]] = {}
+    for key, metrics in runs.items():
+        if len(metrics) == 2:
+            ratios.setdefault(key[:3], []).append(metrics["output_throughput_tok_s"] / metrics["request_throughput"])
+    means = {k: sum(v) / len(v) for k, v in ratios.items() if max(v) <= min(v) * (1 + IMPLIED_MEAN_SPREAD)}
+    return [dataclasses.replace(r, implied_output_mean=means[(r.source, r.dataset, r.model)])
+            if r.dataset and (r.source, r.dataset, r.model) in means else r for r in rows]

@@ -76,3 +76,29 @@ def test_serving_metrics_and_machine_readable_notes(tmp_path):
     assert r.note_items["max_num_seqs"] == "512" and r.note_int("max_num_seqs") == 512 and r.ctx_depth == 0
     flagged = r.__class__(**{**r.__dict__, "notes": "bench --dataset-name sonnet"})
     assert flagged.dataset == "sonnet"
+
+
+def test_a_run_measured_as_output_and_request_throughput_implies_its_sample_mean_output(tmp_path):
+    """Output over request throughput of one run is its sample's mean output tokens; every row of that source,
+    dataset and model without stated means takes it (runs that disagree, or a stated mean, leave rows alone)."""
+    def row(rid, engine, arrival, metric, value, model="llama-3.1-8b", notes="bench --dataset-name sharegpt"):
+        return f"{rid},srcA,{engine},{model},bf16,fp16,a100_80g_sxm,1,1,1,,,1000,{arrival},{metric},{value},{notes}"
+    lines = [row("a-req", "vllm", "offline", "request_throughput", 20.0),
+             row("a-out", "vllm", "offline", "output_throughput_tok_s", 3880.0),
+             row("b-req", "sglang", "offline", "request_throughput", 22.0),
+             row("b-out", "sglang", "offline", "output_throughput_tok_s", 22.0 * 196.0),
+             row("c-ttft", "vllm", "poisson:4", "median_ttft_ms", 50.0),
+             row("d-ttft", "vllm", "poisson:4", "median_ttft_ms", 50.0,
+                 notes="dataset=sharegpt (avg input 202 / output 179 tokens)"),
+             row("e-ttft", "vllm", "poisson:4", "median_ttft_ms", 50.0, model="llama-3.1-70b")]
+    by_id = {r.id: r for r in read_measurements(write(tmp_path, HEADER, *lines))}
+    assert by_id["c-ttft"].implied_output_mean == pytest.approx((194.0 + 196.0) / 2)
+    assert by_id["a-req"].implied_output_mean == by_id["c-ttft"].implied_output_mean
+    assert by_id["e-ttft"].implied_output_mean is None          # another model: another tokenizer's sample
+    from simengine.validate.experiments import row_lengths
+    _, out, note = row_lengths(by_id["c-ttft"])
+    assert out["mean"] == pytest.approx(195.0) and "implies" in note
+    _, out, _ = row_lengths(by_id["d-ttft"])                    # stated means win
+    assert out["mean"] == 179.0
+    lines[3] = row("b-out", "sglang", "offline", "output_throughput_tok_s", 22.0 * 250.0)   # runs disagree
+    assert all(r.implied_output_mean is None for r in read_measurements(write(tmp_path, HEADER, *lines)))
