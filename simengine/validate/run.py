@@ -257,6 +257,13 @@ def run_row(row: Measurement, kernels: str = "auto") -> Prediction | Skip:
     return pred
 
 
+def _default_sigterm() -> None:
+    """A worker ends quietly when the pool terminates it: the CLI's SIGTERM handler (which unwinds the parent like
+    Ctrl-C) is inherited by fork and would print each idle worker's traceback."""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_rows(rows: list[Measurement], jobs: int = 2, kernels: str = "auto") -> list[Prediction | Skip]:
     """Run every row, in `jobs` worker processes (results in row order)."""
     if jobs <= 1 or len(rows) <= 1:
@@ -268,7 +275,7 @@ def run_rows(rows: list[Measurement], jobs: int = 2, kernels: str = "auto") -> l
     order = sorted(range(len(rows)), key=lambda i: rows[i].metric.endswith(("_ms", "tok_s")) and
                    rows[i].arrival.kind in ("single", "batch"))
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    with ctx.Pool(jobs) as pool:
+    with ctx.Pool(jobs, initializer=_default_sigterm) as pool:
         results = pool.map(functools.partial(run_row, kernels=kernels), [rows[i] for i in order], chunksize=1)
     out: list[Prediction | Skip] = [None] * len(rows)  # type: ignore[list-item]
     for i, res in zip(order, results, strict=True):

@@ -76,3 +76,20 @@ def test_llama_bench_rows_use_ubatches_and_context_depth():
     assert np.all(f.f["pre_c"][1:] > f.f["pre_c"][:-1])   # each ubatch attends to a deeper context
     tg = run_row(dataclasses.replace(base, input_len=0, output_len=128, metric="decode_tok_s", notes="tg128"))
     assert tg.info["steps"] == 128 and 5 < tg.predicted < 500
+
+
+def test_parallel_validate_ends_without_worker_tracebacks(tmp_path):
+    """The worker pool's shutdown (SIGTERM to idle workers) is quiet: the CLI's SIGTERM handler is the parent's."""
+    import subprocess
+    import sys
+
+    from simengine.validate.measurements import COLUMNS
+    lines = [",".join(COLUMNS)] + [
+        f"w{b},src,unknown,llama-2-7b,fp16,fp16,a100_80g_sxm,1,1,1,512,128,{b},batch:{b},decode_step_ms,20,note"
+        for b in (1, 2, 4, 8)]
+    path = tmp_path / "m.csv"
+    path.write_text("\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, "-m", "simengine", "validate", str(path), "--jobs", "2", "--quiet",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
