@@ -139,19 +139,6 @@ def kernel_models(hardware, model, tp, weight_dtype="bf16", kv=2.0, backend="trt
     return out
 
 
-def test_each_tensor_parallel_rank_beyond_the_first_costs_the_engine_its_tp_sync_host_time():
-    """Driving the other ranks (handing them the step's inputs) is host time per step and extra rank: all of it in a
-    synchronous loop, nothing while an overlapped loop's host work stays under the GPU time."""
-    shape = BatchShape(num_decode=8, decode_context_tokens=8 * 500, num_logits=8, padded_decode=8)
-    for tp in (1, 2, 8):
-        dep = make_dep("h100_sxm", "llama-3.1-70b", tp=tp) if tp > 1 else make_dep("h100_sxm", "llama-3.1-8b")
-        base = cost(dep, dataclasses.replace(NO_OVERHEAD, tp_sync_s=0.0)).step(shape).seconds
-        synced = cost(dep, dataclasses.replace(NO_OVERHEAD, tp_sync_s=1e-4)).step(shape).seconds
-        assert synced - base == pytest.approx(1e-4 * (tp - 1), abs=1e-12)
-        hidden = cost(dep, dataclasses.replace(NO_OVERHEAD, tp_sync_s=1e-4, overlap=True)).step(shape).seconds
-        assert hidden == pytest.approx(base, rel=1e-12)
-
-
 @pytest.mark.parametrize("measured", [False, True])
 def test_sustained_fraction_slows_compute_bound_work_only(measured):
     """A device's sustained compute fraction (the power-capped clock under continuous load over the burst clock

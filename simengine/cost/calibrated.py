@@ -3,8 +3,7 @@
 `simengine/engines/calibration.yaml` maps an engine's registry name to named terms, each an `EngineTiming` field
 and each an engine mechanism: host time per step to schedule (`scheduler_cpu_s`) and to process outputs
 (`output_cpu_s`), host time per sequence in the step (`seq_cpu_s`: sampling, stop checks, detokenisation), the
-dispatch cost of one eagerly launched kernel (`kernel_launch_s`) and of a CUDA-graph replay (`graph_replay_s`),
-and the host time per step to drive each tensor-parallel rank beyond the first (`tp_sync_s`).
+dispatch cost of one eagerly launched kernel (`kernel_launch_s`) and of a CUDA-graph replay (`graph_replay_s`).
 The engine module sets a prior for every one of them, with its source; a fitted value replaces the prior. Physical
 terms (GEMM and bandwidth efficiency, kernel floors, all-reduce latency and bandwidth) belong to the hardware and
 are not engine terms.
@@ -27,8 +26,7 @@ ENGINE_TERMS_PATH = Path(__file__).resolve().parents[1] / "engines" / "calibrati
 # `devices: {hardware name: {gemm_fraction.<dtype key> | memory_bandwidth_fraction | kernel_floor_s: value}}`.
 TRIAL_TERMS_ENV = "SIMENGINE_TRIAL_TERMS"
 # The engine terms calibration may fit (EngineTiming fields).
-TIMING_TERMS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "kernel_launch_s", "graph_replay_s", "tp_sync_s",
-                "frontend_s")
+TIMING_TERMS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "kernel_launch_s", "graph_replay_s", "frontend_s")
 
 
 def read_engine_terms(path: Path | None = None) -> dict[str, dict[str, float]]:

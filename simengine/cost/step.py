@@ -88,7 +88,6 @@ class CostModel:
         self.model, self.tp, self.pp = self.work.model, self.work.tp, self.work.pp
         self.grammar_mask_s = grammar_mask_s  # host time per structured-output token (the backend's mask cost)
         self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * self.model.num_layers
-        self.tp_sync_s = timing.tp_sync_s * (self.tp - 1)   # host time per step to drive the other TP ranks
         self._tok: list[tuple[float, ...]] = []   # per token count: (gpu, compute, memory, comm, measured)
         self._lm: list[tuple[float, ...]] = []    # per logits count: (gpu, compute, memory, measured)
 
@@ -131,7 +130,7 @@ class CostModel:
             a = self.kernels.decode(num_decode, shape.decode_context_tokens)
             gpu, compute, memory, measured = gpu + a[0], compute + a[1], memory + a[2], measured + a[3]
         t = self.timing
-        host = t.seq_cpu_s * (num_decode + len(chunks)) + self.tp_sync_s + shape.num_structured * self.grammar_mask_s
+        host = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
         seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
         if shape.num_spec and self.proposer is not None:
             seconds += self.proposer.seconds(shape)
@@ -186,7 +185,7 @@ class CostModel:
         out[:, 5] = (tok[4] + lm[3]) + a[3]
         comm = out[:, 3] = tok[3]
         t = self.timing
-        host = t.seq_cpu_s * num_decode + self.tp_sync_s + shape.num_structured * self.grammar_mask_s
+        host = t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s
         seconds = out[:, 0] = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s, np.maximum)
         out[:, 4] = seconds - compute - memory - comm
         return out

@@ -17,14 +17,6 @@ NATIVE_SEQ_CPU_S = 5e-6
 # trace study on vLLM 0.19, andyluo7.github.io 2026-05-14).
 PYTHON_FRONTEND_S = 3e-3
 NATIVE_FRONTEND_S = 1e-3
-# Priors of the host time per step for each tensor-parallel rank beyond the first: the driver hands the step's inputs
-# to every other rank's process and the step waits for the last of them to launch. ESTIMATE for Python engines: vLLM V0
-# broadcast the step's tensors from the driver with torch.distributed, about 0.3 ms per broadcast at TP 2 (removing one
-# of its two broadcasts gave 4-5 % of Llama-2-7B TP2 end-to-end latency, vllm-project/vllm PR #4844), V1 writes one
-# shared-memory message the workers poll (tens of us): 0.1 ms between them. Native engines that drive every GPU from
-# threads of one process (TurboMind) a tenth.
-PYTHON_TP_SYNC_S = 1e-4
-NATIVE_TP_SYNC_S = 1e-5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +38,6 @@ class EngineTiming:
     seq_cpu_s: float = 0.0            # host time per sequence in the step (sampling, stop checks, detokenising)
     frontend_s: float = 0.0           # per request: the serving frontend's parsing, tokenising and IPC to the engine
                                       # and the first token's way back (sim/runner.py delays arrivals by it)
-    tp_sync_s: float = PYTHON_TP_SYNC_S   # host time per step per tensor-parallel rank beyond the first (handing the
-                                          # step's inputs to the other ranks' processes, waiting for the last launch)
 
     def graph_for(self, num_decode: int, pure_decode: bool) -> tuple[bool, int]:
         """(uses a graph, padded decode batch) for a step with `num_decode` decodes."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_FRONTEND_S, NATIVE_TP_SYNC_S, EngineTiming
+from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s
 from simengine.engines.llamacpp_config import (
@@ -118,7 +118,6 @@ class LlamaCppEngine(EnginePolicy):
             # once per sequence in the step; the slot and response bookkeeping of the server ~0.1 ms a step.
             output_cpu_s=0.1e-3, seq_cpu_s=2e-9 * self.dep.model.vocab_size, frontend_s=NATIVE_FRONTEND_S,
             overlap=False,                                  # one thread: schedule, decode, sample in sequence
-            tp_sync_s=NATIVE_TP_SYNC_S,                     # one process drives every GPU of a split
             kernel_launch_s=launch_cost_s(hw),
             kernels_per_layer=18,  # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention
             # ggml-cuda disables CUDA graphs for any batch above one token ("disabling CUDA graphs due to batch

@@ -25,7 +25,7 @@ from simengine.config.dtypes import kv_bytes
 from simengine.config.loader import BlockTokens, Checked, Range, Sequences, Tokens
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_SEQ_CPU_S, NATIVE_TP_SYNC_S, PYTHON_FRONTEND_S, EngineTiming
+from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -121,7 +121,6 @@ class LmdeployEngine(EnginePolicy):
             # detokenisation runs in Python (AsyncEngine) off the engine thread. async_=1 hides both.
             scheduler_cpu_s=0.2e-3, output_cpu_s=0.3e-3, overlap=self.params.async_ == 1,
             seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
-            tp_sync_s=NATIVE_TP_SYNC_S,  # one TurboMind thread per GPU in one process, a barrier per step
             # ESTIMATE: fused C++ kernels per decoder layer: norm+residual, QKV(+bias), RoPE+KV write, attention,
             # O, norm+residual, gate_up+SiLU, down = 8 launches at ~3 us from C++ (no Python in the loop).
             kernel_launch_s=3e-6, kernels_per_layer=8, cuda_graph_sizes=())

@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_SEQ_CPU_S, NATIVE_TP_SYNC_S, PYTHON_FRONTEND_S, EngineTiming
+from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, StepResult
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import Deployment
@@ -60,7 +60,6 @@ class MlcEngine(EnginePolicy):
             # detokenizer and stream callback ~0.3 ms. No overlap: each step is synchronous (engines.md §6.4).
             scheduler_cpu_s=0.3e-3, output_cpu_s=0.3e-3, overlap=False, kernel_launch_s=launch_cost_s(hw),
             seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
-            tp_sync_s=NATIVE_TP_SYNC_S,  # the TVM runtime drives its tensor-parallel workers natively (disco)
             # TVM's CUDA-graph rewrite captures the decode function lazily per batch shape: every decode size is
             # covered without padding; prefill and hybrid forwards run without graphs.
             cuda_graph_sizes=tuple(range(1, c.max_num_sequence + 1)) if graphs else (),

@@ -95,9 +95,7 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
         else:
             draft_work = StepWork(draft, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
                                   tp=d.tp, pp=1, expert_parallel=d.expert_parallel)
-            # the draft runs inside the target's step: no host work of its own, not even handing inputs to the ranks
-            draft_timing = dataclasses.replace(timing, scheduler_cpu_s=0.0, output_cpu_s=0.0, seq_cpu_s=0.0,
-                                               tp_sync_s=0.0)
+            draft_timing = dataclasses.replace(timing, scheduler_cpu_s=0.0, output_cpu_s=0.0, seq_cpu_s=0.0)
             proposer = Proposer(CostModel(_kernels(draft_work, hw, engine, draft_timing, kernels), draft_timing),
                                 batched=spec.batched_drafts)
     return CostModel(gpu, timing, grammar_mask_s=grammar_mask_s, proposer=proposer)

@@ -39,7 +39,7 @@ DEVICE_BOUNDS = {"gemm_fraction": (0.1, 1.0, 0.5), "memory_bandwidth_fraction": 
                  "kernel_floor_s": (0.0, 50e-6, 5e-6)}
 # engine mechanism terms: (low, high, scale)
 ENGINE_TERMS = {"scheduler_cpu_s": (0.0, 30e-3, 1e-3), "seq_cpu_s": (0.0, 2e-3, 1e-4),
-                "kernel_launch_s": (0.5e-6, 100e-6, 1e-5), "tp_sync_s": (1e-7, 5e-3, 1e-4)}
+                "kernel_launch_s": (0.5e-6, 100e-6, 1e-5)}
 
 
 @dataclass
@@ -125,9 +125,8 @@ def _engine_params(preds: list[Prediction]) -> list[Param]:
     for eng in sorted(by_engine):
         feats = by_engine[eng]
         eager = any(not sf.graph.all() for sf in feats)
-        tensor_parallel = any(sf.tp_extra > 0 for sf in feats)
         for name, (lo, hi, s) in ENGINE_TERMS.items():
-            if (name == "kernel_launch_s" and not eager) or (name == "tp_sync_s" and not tensor_parallel):
+            if name == "kernel_launch_s" and not eager:
                 continue
             prior = float(np.mean([sf.engine[name] for sf in feats]))
             out.append(Param(eng, name, lo, hi, s, min(max(prior, lo), hi)))

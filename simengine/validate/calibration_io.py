@@ -12,9 +12,9 @@ from simengine.errors import InputError
 ENGINE_HEADER = """\
 # Calibrated engine terms, written by `simengine calibrate FILE.csv --write` (docs/validation.md).
 # engines.<registry name>.terms: EngineTiming fields (scheduler_cpu_s, output_cpu_s, seq_cpu_s, kernel_launch_s,
-# graph_replay_s, tp_sync_s, frontend_s) that replace the engine module's priors; the other keys are provenance:
-# step-time rows used, median |error| on them, source, date (frontend_s comes from the engine's open-loop TTFT rows).
-# An engine without an entry runs on its priors.
+# graph_replay_s, frontend_s) that replace the engine module's priors; the other keys are provenance: step-time rows
+# used, median |error| on them, source, date (frontend_s comes from the engine's open-loop TTFT rows). An engine
+# without an entry runs on its priors.
 """
 
 

@@ -18,7 +18,7 @@ from simengine.core.batch import BatchShape
 from simengine.cost.roofline import FEATURES, DeviceTerms, price
 from simengine.cost.step import CostModel, step_seconds
 
-ENGINE_FIELDS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "graph_replay_s", "kernel_launch_s", "tp_sync_s")
+ENGINE_FIELDS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "graph_replay_s", "kernel_launch_s")
 
 
 @dataclass
@@ -34,7 +34,6 @@ class StepFeatures:
     terms: DeviceTerms           # the device terms the steps were priced with
     engine: dict[str, float] = field(default_factory=dict)  # ENGINE_FIELDS as the engine ran them
     launches: float = 0.0        # kernels an eager step enqueues (kernels_per_layer x layers)
-    tp_extra: float = 0.0        # tensor-parallel ranks beyond the first (each costs the engine tp_sync_s a step)
     overlap: bool = False
     grammar_mask_s: float = 0.0
     roofline_share: float = 0.0  # share of the steps' GPU time priced by the roofline (not measured kernels)
@@ -64,7 +63,7 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
         graph=np.array([bool(s.cuda_graph) for s in shapes]), device=w.hw.name,
         dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
-        launches=float(t.kernels_per_layer * w.model.num_layers), tp_extra=float(w.tp - 1), overlap=t.overlap,
+        launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
         grammar_mask_s=cost.grammar_mask_s, roofline_share=share)
 
 
@@ -75,7 +74,7 @@ def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.nda
     e = {**(sf.engine or {}), **(engine or {})}
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
                              exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))
-    host = e["seq_cpu_s"] * sf.seqs + e["tp_sync_s"] * sf.tp_extra + sf.structured * sf.grammar_mask_s
+    host = e["seq_cpu_s"] * sf.seqs + sf.structured * sf.grammar_mask_s
     return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches,  # type: ignore[arg-type]
                         np.maximum)   # an EngineTiming's two members the pricing reads
 

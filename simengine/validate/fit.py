@@ -66,7 +66,7 @@ class FitData:
         self.hw_groups = sorted(set(hw_group.values()))
         self.engines = sorted(set(p.engine for p in preds))
         cols: dict[str, list] = {k: [] for k in (*FEATURES, "seqs", "structured", "graph", "w", "seg", "launches",
-                                                 "tp_extra", "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
+                                                 "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
         base_dev: dict[str, list] = {k: [] for k in TERM_NAMES}
         base_eng: dict[str, list] = {k: [] for k in ENGINE_FIELDS}
         numer: list[float] = []
@@ -86,7 +86,6 @@ class FitData:
                     cols[k].append(np.broadcast_to(sf.f[k], (n,)))
                 for k, v in (("seqs", sf.seqs), ("structured", sf.structured), ("graph", sf.graph), ("w", w),
                              ("seg", np.full(n, seg)), ("launches", np.full(n, sf.launches)),
-                             ("tp_extra", np.full(n, sf.tp_extra)),
                              ("overlap", np.full(n, sf.overlap)), ("grammar", np.full(n, sf.grammar_mask_s)),
                              ("hwg", np.full(n, self.hw_groups.index(hw_group[sf.device])
                                              if sf.device in hw_group else -1)),
@@ -112,7 +111,6 @@ class FitData:
         self.steps = SimpleNamespace(f={k: self.cols[k] for k in FEATURES}, seqs=self.cols["seqs"],
                                      structured=self.cols["structured"], graph=self.cols["graph"],
                                      grammar_mask_s=self.cols["grammar"], launches=self.cols["launches"],
-                                     tp_extra=self.cols["tp_extra"],
                                      overlap=self.cols["overlap"], terms=None, engine=None)
 
     def predict(self, params: list[Param], values: np.ndarray) -> np.ndarray:

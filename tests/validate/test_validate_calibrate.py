@@ -53,9 +53,9 @@ def test_fit_recovers_known_terms_from_synthetic_measurements(generic_rows, monk
     params = calibrate._device_params(data, groups) + calibrate._engine_params(generic_rows)
     names = {p.name for p in params}
     assert names == {"gemm_fraction.default", "memory_bandwidth_fraction", "kernel_floor_s", "scheduler_cpu_s",
-                     "seq_cpu_s", "kernel_launch_s", "tp_sync_s"}
+                     "seq_cpu_s", "kernel_launch_s"}
     truth = {"gemm_fraction.default": 0.45, "memory_bandwidth_fraction": 0.7, "kernel_floor_s": 4e-6,
-             "scheduler_cpu_s": 2e-3, "seq_cpu_s": 3e-4, "kernel_launch_s": 3e-6, "tp_sync_s": 5e-4}
+             "scheduler_cpu_s": 2e-3, "seq_cpu_s": 3e-4, "kernel_launch_s": 3e-6}
     measured = data.predict(params, np.array([truth[p.name] for p in params]))
     monkeypatch.setattr(calibrate, "PRIOR_SD_DEVICE", 1e6)   # no pull: the data alone must pin every term
     monkeypatch.setattr(calibrate, "PRIOR_SD_ENGINE", 1e6)
