@@ -520,7 +520,7 @@ class MeasuredKernels(RooflineKernels):
         if self.prefill_grid is not None:
             for i, chunks in enumerate(prefill_chunks):
                 if chunks:
-                    f["meas_c"][i] += self._prefill_s(chunks) / self.sustained
+                    f["meas_c"][i] += self._prefill_s(chunks)
                     f["floors"][i] -= self.work.model.num_layers
             f["pre_c"], f["pre_m"] = 0.0 * f["pre_c"], 0.0 * f["pre_m"]
         if self.decode_grid is not None:
@@ -537,7 +537,8 @@ class MeasuredKernels(RooflineKernels):
         return f
 
     def _prefill_s(self, chunks: list[tuple[int, int]]) -> float:
-        """Measured seconds of the prefill chunks' attention over all layers."""
+        """Seconds of the prefill chunks' attention over all layers: the tables' burst time at the device's
+        sustained rate (prefill attention is compute-bound)."""
         grid, w = self.prefill_grid, self.work
         assert grid is not None   # callers check the table exists
         pairs, full = w.prefill_pairs(chunks)
@@ -550,7 +551,7 @@ class MeasuredKernels(RooflineKernels):
         layers: float = w.full_layers
         if w.sliding_layers:   # a window caps the pairs each query sees
             layers = layers + w.sliding_layers * w.sliding_pairs(chunks) / pairs
-        return per_layer * layers
+        return per_layer * layers / self.sustained
 
     def _decode_s(self, num_decode: int, context_tokens):
         """Measured seconds of the decodes' attention over all layers (float, or array over contexts)."""
@@ -573,7 +574,7 @@ class MeasuredKernels(RooflineKernels):
     def prefill(self, chunks: list[tuple[int, int]]):
         if self.prefill_grid is None:
             return super().prefill(chunks)
-        sec = self._prefill_s(chunks) / self.sustained
+        sec = self._prefill_s(chunks)
         return sec, sec, 0.0, sec
 
     def decode(self, num_decode, context_tokens, maximum=max):
