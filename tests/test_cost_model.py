@@ -27,7 +27,7 @@ needs_tables = pytest.mark.skipif(data_root() is None, reason="aiconfigurator-co
 def work_of(dep, **terms):
     hw = dataclasses.replace(dep.hardware, **{**TERMS, **terms})
     return StepWork(dep.model, hw, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes, tp=dep.tp,
-                    pp=dep.pp, expert_parallel=dep.expert_parallel)
+                    pp=dep.pp, expert_parallel=dep.expert_parallel, attention_dp=dep.attention_dp)
 
 
 def cost(dep, timing=NO_OVERHEAD, custom=False, **terms) -> CostModel:

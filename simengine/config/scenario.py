@@ -65,6 +65,10 @@ class DeploymentConfig(Checked):
     router_decision_s: Annotated[float, Range(0, 1e3, unit="seconds")] = 0.0
     expert_parallel: bool = False   # MoE experts spread over the tp devices (vLLM --enable-expert-parallel,
                                     # SGLang --ep-size, TRT-LLM moe_expert_parallel_size) instead of TP-sliced
+    # attention data parallelism for MoE models (TRT-LLM enable_attention_dp, SGLang --enable-dp-attention, vLLM
+    # --data-parallel-size with --enable-expert-parallel): each of the tp devices schedules its own requests and
+    # attends over them with every head; the routed experts are spread over the tp devices (docs/cluster.md)
+    attention_dp: bool = False
     cost_model: Literal["auto", "roofline"] = "auto"  # auto: measured kernels where tables exist (docs/cost-model.md)
     failures: FailureConfig | None = None
     # prefill/decode pools (docs/cluster.md 'Disaggregation'): the KV moves once the prefill is done, or streams
@@ -83,8 +87,8 @@ class DeploymentConfig(Checked):
 
 
 # DeploymentConfig fields a pool may set for itself (the others are the cluster's: router timing, failures, ...)
-POOL_FIELDS = ("hardware", "model", "weight_dtype", "kv_dtype", "tp", "pp", "replicas", "expert_parallel", "router",
-               "router_params", "kv_transfer")
+POOL_FIELDS = ("hardware", "model", "weight_dtype", "kv_dtype", "tp", "pp", "replicas", "expert_parallel",
+               "attention_dp", "router", "router_params", "kv_transfer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,7 @@ class PoolConfig(Checked):
     pp: Devices | None = None
     replicas: Devices | None = None
     expert_parallel: bool | None = None
+    attention_dp: bool | None = None
     router: str | None = None           # the tier's router is its first pool's (mixed/prefill, and decode)
     router_params: dict[str, Any] | None = None
     kv_transfer: Literal["after_prefill", "layerwise"] | None = None   # a prefill pool's way of sending KV

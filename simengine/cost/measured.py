@@ -51,7 +51,8 @@ GEMM_PEAK = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "nvfp4": "fp4
 GEMM_ELEMENT_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0, "nvfp4": 9 / 16, "int4_wo": 0.5,
                       "int8_wo": 1.0, "sq": 1.0}
 NEIGHBOUR_OCTAVES = 2.0     # an unmeasured GEMM shape borrows utilisation from shapes within this log2 distance
-MOE_DISTRIBUTIONS = ("power_law_1.2", "balanced")   # the package's default routing skew first, then uniform
+# routing skews the MoE tables time: uniform and two power laws (the package's default is power_law_1.2)
+MOE_DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
 PROVENANCE = ("framework", "version", "device", "power", "power_limit")
 
 
@@ -330,8 +331,8 @@ class MeasuredKernels(RooflineKernels):
                       if (p := table_file(system, "quantize", self.backend, f"{name}_perf.parquet")) is not None}
         self.gemm_ops = self._gemm_ops()
         self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
-        heads = max(1, work.model.num_heads // work.tp)
-        kv_heads = max(1, math.ceil(work.model.num_kv_heads / work.tp))
+        heads = max(1, work.model.num_heads // work.attention_tp)
+        kv_heads = max(1, math.ceil(work.model.num_kv_heads / work.attention_tp))
         self.decode_grid = self._attention_grid("decode", heads, kv_heads)
         self.prefill_grid = self._attention_grid("prefill", heads, kv_heads)
         self.allreduce_curve = self._allreduce_curve(custom_allreduce) if work.num_allreduce else None
@@ -350,7 +351,7 @@ class MeasuredKernels(RooflineKernels):
     def _gemm_ops(self) -> list[tuple[str, int, int, int, str | None]]:
         """The step's GEMMs other than the routed experts: (name, n, k, calls per step, gemm dtype)."""
         w = self.work
-        m, tp, h = w.model, w.tp, w.model.hidden_size
+        m, tp, h = w.model, w.attention_tp, w.model.hidden_size
         dtype = GEMM_DTYPES.get(w.weight_format.name)
         heads = max(1, m.num_heads // tp)
         kv_heads = max(1, math.ceil(m.num_kv_heads / tp))
@@ -419,14 +420,16 @@ class MeasuredKernels(RooflineKernels):
             return None
         df = read_table(path)
         inter = m.expert_params // (3 * m.hidden_size)
-        ep = w.tp if w.expert_parallel else 1
+        ep = w.tp if w.expert_parallel else 1   # the tables key the group's tokens (attention DP: tp x the rank's)
         sel = df[(df["moe_dtype"] == dtype) & (df["hidden_size"] == m.hidden_size) & (df["inter_size"] == inter)
                  & (df["topk"] == m.experts_per_token) & (df["num_experts"] == m.num_experts)
                  & (df["moe_tp_size"] == w.tp // ep) & (df["moe_ep_size"] == ep)]
-        for dist in MOE_DISTRIBUTIONS:
-            d = sel[sel["distribution"] == dist].drop_duplicates("num_tokens").sort_values("num_tokens")
-            if len(d) >= 2:
-                return d["num_tokens"].to_numpy(float), monotone(d["latency"].to_numpy(float) * MS)
+        sel = sel[sel["distribution"].isin(MOE_DISTRIBUTIONS)]
+        if sel["num_tokens"].nunique() >= 2:
+            # the median over the routing distributions measured, so that one anomalous series cannot set it (the
+            # H200 trtllm table's fp8 power_law_1.2 series runs 5-8x its balanced and power_law_1.01 neighbours)
+            by_dist = sel.pivot_table(index="num_tokens", columns="distribution", values="latency", aggfunc="min")
+            return by_dist.index.to_numpy(float), monotone(np.nanmedian(by_dist.to_numpy(float), axis=1) * MS)
         self.fallbacks["moe"] = (f"experts {m.hidden_size}x{inter}, top-{m.experts_per_token} of {m.num_experts}, "
                                  f"tp {w.tp // ep} ep {ep} not measured")
         return None
@@ -490,8 +493,9 @@ class MeasuredKernels(RooflineKernels):
             f["floors"] = f["floors"] - calls
         if self.moe_curve is not None:
             mm = w.model
-            lat = mm.num_moe_layers * interp_hold(tokens, *self.moe_curve, lambda x: x)
-            c = 2.0 * tokens * mm.num_moe_layers * mm.experts_per_token * mm.expert_params / w.tp / self.linear_peak
+            lat = mm.num_moe_layers * interp_hold(tokens * w.group_tokens_per_token, *self.moe_curve, lambda x: x)
+            c = (2.0 * tokens * mm.num_moe_layers * mm.experts_per_token * mm.expert_params / w.attention_tp
+                 / self.linear_peak)
             m = mm.num_moe_layers * w.experts_touched(tokens) * w.expert_bytes / self.bandwidth
             self._measured(f, lat, c / g >= m / mb)
             f["lin_c"], f["lin_m"] = f["lin_c"] - c, f["lin_m"] - m
@@ -500,8 +504,8 @@ class MeasuredKernels(RooflineKernels):
         f["lin_c"], f["lin_m"] = np.maximum(f["lin_c"], 0.0), np.maximum(f["lin_m"], 0.0)
         if self.allreduce_curve is not None:
             xs, ys = self.allreduce_curve
-            f["meas_comm"] = w.num_allreduce * interp_hold(np.maximum(tokens * w.model.hidden_size, xs[0]), xs, ys,
-                                                           lambda x: x)
+            message = tokens * w.group_tokens_per_token * w.model.hidden_size
+            f["meas_comm"] = w.num_allreduce * interp_hold(np.maximum(message, xs[0]), xs, ys, lambda x: x)
             f["ar_calls"], f["ar_link"] = 0.0 * tokens, 0.0 * tokens
         return f
 

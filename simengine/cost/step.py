@@ -152,13 +152,13 @@ class CostModel:
         from disk first), then the batched LoRA kernels: each distinct adapter's weights read once, every LoRA
         token's shrink and expand computed, at the padded rank, two kernels per target module and layer."""
         w, t, hw = self.work, self.kernels.terms, self.work.hw
-        params = lora_params_per_rank(w.model) / w.tp   # per rank, on each device
+        params = lora_params_per_rank(w.model) / w.attention_tp   # per rank, on each device
         per_rank = params * ADAPTER_BYTES_PER_PARAM      # bytes
         s = 0.0
         if shape.lora_host_load_ranks:
             s += shape.lora_host_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
         if shape.lora_disk_load_ranks:
-            disk = shape.lora_disk_load_ranks * per_rank * w.tp
+            disk = shape.lora_disk_load_ranks * per_rank * w.attention_tp
             s += disk / ADAPTER_DISK_BYTES_S + ADAPTER_DISK_LATENCY_S
             s += shape.lora_disk_load_ranks * per_rank / hw.host_link_bandwidth_bytes_s + hw.host_link_latency_s
         flops = 2.0 * shape.lora_tokens * shape.lora_rank * params

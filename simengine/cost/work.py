@@ -12,6 +12,11 @@ Both step-time models (the roofline, and measured kernels where tables exist) pr
 - allreduce: tensor parallelism's two all-reduces of tokens x hidden per layer;
 - all_to_all, pp_send: expert parallelism's dispatch and combine; pipeline stage hand-offs.
 
+With attention data parallelism (`attention_dp`) the work is one rank's of a group of tp: attention, the dense
+layers and the LM head run whole on the rank's own tokens; each MoE layer gathers the group's tokens to the experts
+(1/tp of them per rank) and scatters the sums back, an all-gather and a reduce-scatter that move what one all-reduce
+of the group's tokens moves. The ranks are taken to carry equal loads, so the group holds tp x the rank's tokens.
+
 Work here is physics only: no efficiency, no measured time. `roofline.py` and `measured.py` turn it into seconds.
 """
 
@@ -52,40 +57,48 @@ def lora_params_per_rank(model: ModelSpec) -> int:
 
 class StepWork:
     """Per-device work of one replica of `model` on `tp` x `pp` devices of `hw` (tensor parallel splits every GEMM
-    and attention head; pipeline stages run one after another, so a step's time covers all layers)."""
+    and attention head; pipeline stages run one after another, so a step's time covers all layers), or of one rank
+    of an attention-data-parallel group of tp (`attention_dp`, see the module docstring)."""
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
-                 tp: int = 1, pp: int = 1, expert_parallel: bool = False,
+                 tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
                  engine_gemm_flops_s: float | None = None):
         m = self.model = model
         # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
         # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
         self.engine_gemm_flops_s = engine_gemm_flops_s
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
+        self.attention_dp = attention_dp
+        # devices a token's attention and dense layers are split over; the group's tokens per rank's token at the
+        # experts and in the collectives
+        at = self.attention_tp = 1 if attention_dp else tp
+        self.group_tokens_per_token = tp if attention_dp else 1
         self.kv_elem_bytes = kv_elem_bytes
         self.compute_dtype = resolve_compute_dtype(weight_format, hw.peak_flops, hw.name)
         # attention and the LM head compute in 16-bit (engines keep the output projection unquantised)
         self.attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops
                                                                    else self.compute_dtype)
         wb = weight_format.bytes_per_param
-        self.dense_weight_bytes = m.dense_linear_params * wb / tp
-        self.expert_bytes = m.expert_params * wb / tp
-        self.lm_head_bytes = m.lm_head_params * weight_format.lm_head_bytes_per_param / tp
+        self.dense_weight_bytes = m.dense_linear_params * wb / at
+        self.expert_bytes = m.expert_params * wb / tp   # a TP slice of every expert, or 1/tp of them whole (EP)
+        self.lm_head_bytes = m.lm_head_params * weight_format.lm_head_bytes_per_param / at
         self.lm_head_dtype = self.compute_dtype if weight_format.lm_head_bytes_per_param == wb else self.attn_dtype
-        self.linear_flops_per_token = 2.0 * m.active_linear_params / tp
-        self.lm_head_flops_per_token = 2.0 * m.lm_head_params / tp
+        # (with attention DP a rank computes, for the group's tokens routed to its experts, as many expert-token
+        # pairs as its own tokens bring when the ranks are balanced)
+        self.linear_flops_per_token = 2.0 * m.active_linear_params / at
+        self.lm_head_flops_per_token = 2.0 * m.lm_head_params / at
         # elementwise traffic per token per layer: two norms (+ residual) read and write the hidden state (4 x 2h),
         # the gated activation reads 2 x width and writes width, RoPE reads and writes Q and K
         mlp_width = (m.experts_per_token * m.expert_params / 3 / m.hidden_size if m.is_moe
-                     else m.intermediate_size) / tp
-        qk_width = (m.num_heads + m.num_kv_heads) * m.qk_head_dim / tp
+                     else m.intermediate_size) / at
+        qk_width = (m.num_heads + m.num_kv_heads) * m.qk_head_dim / at
         self.elementwise_bytes_per_token = ACT_BYTES * m.num_layers * (8 * m.hidden_size + 3 * mlp_width
                                                                        + 2 * qk_width)
-        kv_heads_per_device = max(1.0, m.num_kv_heads / tp)
+        kv_heads_per_device = max(1.0, m.num_kv_heads / at)
         self.kv_bytes_layer = m.kv_bytes_per_token_layer(kv_elem_bytes) * (
             1.0 if m.kv_latent_dim else kv_heads_per_device / m.num_kv_heads)
         self.kv_write_bytes_per_token = self.kv_bytes_layer * m.num_layers
-        self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / tp
+        self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / at
         self.full_layers, self.sliding_layers, self.window = (m.num_full_attention_layers, m.num_sliding_layers,
                                                               m.sliding_window)
         # kernels of the token-count ops (each attention op and the LM head count their own)
@@ -95,18 +108,22 @@ class StepWork:
         # communication
         self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
         self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
-        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1) else 0
+        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1 and not attention_dp) else 0
+        if attention_dp:   # each MoE layer's gather and scatter of the group's tokens: one all-reduce's bytes
+            self.num_allreduce = m.num_moe_layers
         if self.num_all_to_all:   # EP: each MoE layer's all-reduce becomes a dispatch + combine (DeepSpeed-MoE)
             self.num_allreduce -= m.num_moe_layers
         self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
         self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
-        self.expert_parallel = expert_parallel
+        self.expert_parallel = expert_parallel or attention_dp
 
     # ---- ops that depend only on the step's token count ----------------------------------------------------
     def experts_touched(self, tokens):
-        """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing); arrays too."""
+        """Expected distinct routed experts per MoE layer for `tokens` tokens (uniform routing; with attention DP the
+        group's tokens reach every rank's experts); arrays too."""
         m = self.model
-        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** tokens)
+        group = tokens * self.group_tokens_per_token
+        return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** group)
 
     def linear(self, tokens):
         """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once, FLOPs per token."""
@@ -163,5 +180,6 @@ class StepWork:
 
     # ---- communication --------------------------------------------------------------------------------------
     def allreduce_bytes(self, tokens):
-        """Bytes one tensor-parallel all-reduce moves per device over the ring: 2 (tp-1)/tp x tokens x hidden."""
-        return self.ring_factor * tokens * self.allreduce_bytes_per_token
+        """Bytes one tensor-parallel all-reduce moves per device over the ring: 2 (tp-1)/tp x tokens x hidden (the
+        group's tokens with attention DP)."""
+        return self.ring_factor * tokens * self.group_tokens_per_token * self.allreduce_bytes_per_token

@@ -47,6 +47,7 @@ class EnginePolicy(ABC):
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
+    supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False

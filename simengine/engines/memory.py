@@ -27,28 +27,48 @@ class Deployment:
     tp: int = 1
     pp: int = 1
     expert_parallel: bool = False  # routed experts placed whole on devices (EP = tp) rather than TP-sliced
+    # attention data parallelism (docs/cluster.md 'Attention data parallelism'): this replica is one of the tp
+    # ranks of a group; it attends over its own requests with every head, holds the attention and dense weights
+    # whole and 1/tp of the routed experts, which are spread over the group (EP = tp)
+    attention_dp: bool = False
     # a speculative proposer's weights and KV per token beside the target's (engines/speculative.py with_proposer)
     proposer_weight_bytes_per_device: float = 0.0
     proposer_kv_bytes_per_token_per_device: float = 0.0
     adapter_weight_bytes_per_device: float = 0.0   # LoRA adapter slots an engine reserves (engines/lora.py)
 
     @property
+    def attention_tp(self) -> int:
+        """Devices one request's attention (and the dense layers) is split over: 1 with attention DP, else tp."""
+        return 1 if self.attention_dp else self.tp
+
+    @property
+    def dp_ranks(self) -> int:
+        """Schedulers one tp x pp group runs: tp with attention DP (each rank its own), else 1."""
+        return self.tp if self.attention_dp else 1
+
+    @property
     def num_devices(self) -> int:
-        return self.tp * self.pp
+        """Devices of one replica (one scheduler and its KV cache)."""
+        return self.attention_tp * self.pp
 
     @property
     def weight_bytes_per_device(self) -> float:
-        return (self.model.total_params * self.weight_format.bytes_per_param / self.num_devices
-                + self.proposer_weight_bytes_per_device + self.adapter_weight_bytes_per_device)
+        m, wb = self.model, self.weight_format.bytes_per_param
+        if self.attention_dp:   # everything but the routed experts whole on each rank, the experts spread over tp
+            per_device = ((m.total_params - m.routed_expert_params_total) * wb
+                          + m.routed_expert_params_total * wb / self.tp) / self.pp
+        else:
+            per_device = m.total_params * wb / self.num_devices
+        return per_device + self.proposer_weight_bytes_per_device + self.adapter_weight_bytes_per_device
 
     @property
     def kv_bytes_per_token_per_device(self) -> float:
-        """KV heads are split by tp (replicated when tp exceeds them), layers by pp."""
+        """KV heads are split by tp (replicated when tp exceeds them; whole with attention DP), layers by pp."""
         m = self.model
         per_token = m.kv_bytes_per_token(self.kv_elem_bytes)
         if m.kv_latent_dim:  # MLA's latent is replicated across tp ranks
             return per_token / self.pp + self.proposer_kv_bytes_per_token_per_device
-        heads_per_device = max(1.0, m.num_kv_heads / self.tp)
+        heads_per_device = max(1.0, m.num_kv_heads / self.attention_tp)
         return per_token * heads_per_device / m.num_kv_heads / self.pp + self.proposer_kv_bytes_per_token_per_device
 
 
@@ -60,8 +80,8 @@ def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs
     """
     m = dep.model
     inter = m.intermediate_size if not m.is_moe else m.intermediate_size
-    per_token = 2.0 * (3 * inter / dep.tp + 6 * m.hidden_size)
-    logits = 4.0 * min(max_seqs, max_tokens_per_step) * m.vocab_size / dep.tp
+    per_token = 2.0 * (3 * inter / dep.attention_tp + 6 * m.hidden_size)
+    logits = 4.0 * min(max_seqs, max_tokens_per_step) * m.vocab_size / dep.attention_tp
     return max_tokens_per_step * per_token + logits
 
 

@@ -47,6 +47,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
     support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
                       "sgl-kernel-npu ('Ascend NPUs' platform page)")
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
+    supports_attention_dp = True  # --enable-dp-attention with --dp-size (server_args.py enable_dp_attention)
     # --disaggregation-mode prefill: a finished request's KV stays locked in the inflight queue until the
     # transfer backend (mooncake, nixl) has sent it (python/sglang/srt/disaggregation/prefill.py);
     # --disaggregation-mode decode: prealloc queue -> transfer queue -> prebuilt batch -> running batch
@@ -65,7 +66,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self.adapters = sglang_adapter_slots(p)
         if self.adapters is not None:   # the LoRA pool comes out of the KV pool
             dep = self.dep = dataclasses.replace(
-                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
+                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.attention_tp))
         kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
         tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sglang",
                                      rule=f"mem_fraction_static={self.mem_fraction} of total memory")

@@ -222,6 +222,6 @@ def with_proposer(dep: Deployment, spec: Speculation | None) -> Deployment:
         weights = (model.dense_linear_params + model.num_moe_layers * model.num_experts * model.expert_params) * fmt
     kv_per_token = model.kv_bytes_per_token(dep.kv_elem_bytes)
     if not model.kv_latent_dim:   # KV heads split by tp as the target's (replicated past their count)
-        kv_per_token *= max(1.0, model.num_kv_heads / dep.tp) / model.num_kv_heads
+        kv_per_token *= max(1.0, model.num_kv_heads / dep.attention_tp) / model.num_kv_heads
     return dataclasses.replace(dep, proposer_weight_bytes_per_device=weights / dep.num_devices,
                                proposer_kv_bytes_per_token_per_device=kv_per_token / dep.pp)

@@ -68,6 +68,7 @@ class TrtllmEngine(PagedEngine):
     support_source = ("TensorRT-LLM docs 'Supported hardware' (NVIDIA GPUs only: Blackwell, Hopper, Ada, Ampere; "
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
     supports_expert_parallel = True  # TensorRT-LLM moe_expert_parallel_size (llm_args.py)
+    supports_attention_dp = True  # enable_attention_dp (llm_args.py; docs/source/features/parallel-strategy.md)
 
     def __init__(self, params: TrtllmParams, dep: Deployment):
         p = params

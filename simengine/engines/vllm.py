@@ -36,6 +36,7 @@ class VllmEngine(PagedEngine):
     kernel_backend = "vllm"  # vLLM's own kernels (aiconfigurator-core's vllm tables)
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
+    supports_attention_dp = True  # --data-parallel-size with --enable-expert-parallel (docs: data parallel deployment)
     supports_pipeline_microbatches = True  # v1/engine/core.py step_with_batch_queue: pp batches in flight
     # KV connectors (NixlConnector, P2pNcclConnector, Mooncake): kv_role kv_producer / kv_consumer
     # (vllm/distributed/kv_transfer/, docs/features/disagg_prefill.md)
@@ -59,7 +60,7 @@ class VllmEngine(PagedEngine):
                                  field="max_cpu_loras")
             self.adapters = AdapterSlots(p.max_loras, p.max_cpu_loras or p.max_loras, p.max_lora_rank)
             dep = self.dep = dataclasses.replace(
-                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.tp))
+                dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.attention_tp))
         self.kv = vllm_kv_cache(p, dep, self.max_num_batched_tokens, self.max_num_seqs)
         # late publishing is exact only where nothing keys on when a block is published: not with speculation (a
         # rollback past rejected drafts) or a host tier (write-through stores a block when it is published)

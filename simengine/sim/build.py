@@ -54,8 +54,15 @@ def resolve_deployment(d: DeploymentConfig, pool: PoolConfig | None = None, at: 
     if d.expert_parallel and not model.is_moe:
         raise InputError(f"expert_parallel needs a mixture-of-experts model; {model.name} is dense",
                          field=field_of("expert_parallel"))
-    return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name,
-                      kv_elem_bytes=kv_bytes(kv_name), tp=d.tp, pp=d.pp, expert_parallel=d.expert_parallel)
+    if d.attention_dp and not model.is_moe:
+        raise InputError(f"attention_dp needs a mixture-of-experts model; {model.name} is dense, so each rank would "
+                         f"hold the whole model: use replicas instead", field=field_of("attention_dp"))
+    if d.attention_dp and d.tp < 2:
+        raise InputError("attention_dp spreads the experts over the tp devices and runs attention data-parallel on "
+                         "them; set tp to 2 or more", field=field_of("tp"))
+    return Deployment(model=model, hardware=hw, weight_format=fmt, kv_dtype=kv_name, kv_elem_bytes=kv_bytes(kv_name),
+                      tp=d.tp, pp=d.pp, expert_parallel=d.expert_parallel or d.attention_dp,
+                      attention_dp=d.attention_dp)
 
 
 def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
@@ -63,6 +70,10 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     cls = ENGINES.get(entry.engine, field="engines")
     params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
     hw = dep.hardware
+    if dep.attention_dp and not cls.supports_attention_dp:
+        ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_attention_dp]
+        raise CannotRun(f"{entry.engine} has no attention data parallelism; engines that do: {', '.join(ok)}",
+                        field="deployment.attention_dp")
     if dep.expert_parallel and not cls.supports_expert_parallel:
         ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
         raise CannotRun(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
@@ -83,7 +94,8 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
     engine.timing = timing = apply_terms(engine.timing, read_engine_terms().get(engine.name, {}))
     d = engine.dep
     work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
-                    pp=d.pp, expert_parallel=d.expert_parallel, engine_gemm_flops_s=engine.engine_gemm_flops_s())
+                    pp=d.pp, expert_parallel=d.expert_parallel, attention_dp=d.attention_dp,
+                    engine_gemm_flops_s=engine.engine_gemm_flops_s())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     gpu = _kernels(work, hw, engine, timing, kernels)
     proposer = None
@@ -94,7 +106,7 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
             proposer = Proposer(None, NGRAM_LOOKUP_S)
         else:
             draft_work = StepWork(draft, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes,
-                                  tp=d.tp, pp=1, expert_parallel=d.expert_parallel)
+                                  tp=d.tp, pp=1, expert_parallel=d.expert_parallel, attention_dp=d.attention_dp)
             draft_timing = dataclasses.replace(timing, scheduler_cpu_s=0.0, output_cpu_s=0.0, seq_cpu_s=0.0)
             proposer = Proposer(CostModel(_kernels(draft_work, hw, engine, draft_timing, kernels), draft_timing),
                                 batched=spec.batched_drafts)
@@ -104,10 +116,12 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
 def _kernels(work: StepWork, hw, engine: EnginePolicy, timing, kernels: str) -> RooflineKernels:
     """Measured kernels of the engine's backend where the device has tables and `kernels` is auto, else the
     roofline at the device's physical terms."""
-    terms = DeviceTerms.of(work, hw, custom_allreduce=timing.custom_allreduce)
+    # attention DP's gathers and scatters of the group's tokens go through the collective library
+    custom = timing.custom_allreduce and not work.attention_dp
+    terms = DeviceTerms.of(work, hw, custom_allreduce=custom)
     system, backend = hw.kernel_tables, engine.kernel_backend
     if kernels == "auto" and system and backend and system in systems():
-        return MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=timing.custom_allreduce)
+        return MeasuredKernels(work, terms, system=system, backend=backend, custom_allreduce=custom)
     return RooflineKernels(work, terms)
 
 
@@ -163,8 +177,9 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
         if name in names:
             raise InputError(f"two pools are named '{name}'; give each a distinct name", field=f"{at}.name")
         names.add(name)
-        pools.append(Pool(name, c.role, d, dep, e, first, d.replicas, at))
-        first += d.replicas
+        count = d.replicas * dep.dp_ranks   # with attention DP each rank of a group schedules its own requests
+        pools.append(Pool(name, c.role, d, dep, e, first, count, at))
+        first += count
     models = {p.dep.model.name for p in pools}
     if len(models) > 1:
         raise InputError(f"every pool serves the same model (requests are tokenised once), got {sorted(models)}",
