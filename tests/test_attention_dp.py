@@ -140,3 +140,13 @@ def test_an_engine_without_attention_dp_is_refused_with_the_engines_that_have_it
     with pytest.raises(CannotRun, match="engines that do: .*sglang") as exc:
         plan_pools(sc, sc.engines[0])
     assert exc.value.field == "deployment.attention_dp"
+
+
+def test_failures_name_a_rank_of_the_group():
+    def with_failure(replica: int):
+        return make_scenario(deployment__model="qwen3-30b-a3b", deployment__tp=2, deployment__attention_dp=True,
+                             deployment__failures={"at": [{"replica": replica, "time_s": 1.0}]}, engines=["vllm"])
+    assert with_failure(1).deployment.failures.at[0].replica == 1   # the second rank of the one group
+    with pytest.raises(InputError, match="the deployment has 2") as exc:
+        with_failure(2)
+    assert exc.value.field == "deployment.failures.at[0].replica"

@@ -80,10 +80,11 @@ class DeploymentConfig(Checked):
         from simengine.routers.base import router_and_params
 
         router_and_params(self.router, self.router_params, at="deployment.")
+        count = self.replicas * (self.tp if self.attention_dp else 1)   # attention DP: one replica per rank
         for i, f in enumerate(self.failures.at if self.failures else []):
-            if f.replica >= self.replicas:
-                raise InputError(f"replica {f.replica} does not exist: the deployment has {self.replicas} "
-                                 f"(0..{self.replicas - 1})", field=f"deployment.failures.at[{i}].replica")
+            if f.replica >= count:
+                raise InputError(f"replica {f.replica} does not exist: the deployment has {count} "
+                                 f"(0..{count - 1})", field=f"deployment.failures.at[{i}].replica")
 
 
 # DeploymentConfig fields a pool may set for itself (the others are the cluster's: router timing, failures, ...)
