@@ -58,6 +58,8 @@ class EnginePolicy(ABC):
     # prefill role keeps a finished `hold_kv` request's KV until `free_held`; a decode role reserves blocks for
     # `remote_kv_tokens` (SchedulerOutput.kv_reserved) and schedules the request after `remote_kv_arrived`
     disaggregation_roles: ClassVar[frozenset[str]] = frozenset()
+    # speed device (docs/performance.md): the engine advances its steady decodes in a DecodeCohort
+    lazy_decode: ClassVar[bool] = False
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)

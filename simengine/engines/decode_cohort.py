@@ -11,6 +11,11 @@ What an engine declares: its step token limit, the tokens it gives a running req
 (`chunk`), and its KV manager. It calls `schedule_running`, then `order` for the requests it admitted, `context_tokens`
 for the step's shape and `stepped` in its update; `sync` writes every member's counters as of now.
 
+An engine that schedules every running decode first and its running prefills after them, with what the decodes left
+of the budget (Sarathi-Serve's stall-free batching), calls `schedule_decodes` instead: the cohort takes the decodes
+(one token each) and hands the running prefills back, in running order, for the engine's own chunking. Their blocks
+must already be held (allocated or reserved at admission), so the block check covers the decodes alone.
+
 Counted members: those whose only KV event is taking a block when their tokens fill the last one (their own outputs'
 blocks are published at release, KVCacheManager.defer_output_publish, or never, being private, Request.private_from;
 or caching is off). A member that takes a block at step s takes one every block_size steps, so the step's takers are
@@ -89,6 +94,17 @@ class DecodeCohort:
         whose blocks change this step allocate (in running order, with the others), members due their last token
         leave it and the others take their tokens. Returns the budget left, or None after dissolving the cohort when
         the exact loop must decide (a cap could bind or an allocation fail)."""
+        return self._schedule(out, None)
+
+    def schedule_decodes(self, out: SchedulerOutput) -> list[Request] | None:
+        """As `schedule_running`, for a decodes-first engine: the step's decodes only (one token each). Returns the
+        running prefills, in running order, for the engine to schedule after the decodes, or None after dissolving
+        the cohort (the decodes' tokens or blocks might not fit)."""
+        prefills: list[Request] = []
+        return prefills if self._schedule(out, prefills) is not None else None
+
+    def _schedule(self, out: SchedulerOutput, prefills: list[Request] | None) -> int | None:
+        """`schedule_running`; with a `prefills` list, running requests that are not decodes go there unscheduled."""
         self.in_flight = 0
         step, cohort, events, joined = self.steps_done, self.members, self.events, self.joined
         others, prev = [], self.last_step_end_s
@@ -129,6 +145,9 @@ class DecodeCohort:
         for order, req in others:
             computed = req.num_computed_tokens
             n = req.prompt_len + req.num_output_tokens - computed
+            if prefills is not None and (n != 1 or not req.num_output_tokens):  # Request.is_decoding, inline
+                prefills.append(req)
+                continue
             if chunk is not None:
                 n = chunk(req, n)
             budget -= n

@@ -5,6 +5,10 @@ already in progress continue with chunks of what is left of the budget; then new
 with chunks of the rest, so a long prompt never stalls ongoing decodes. Admission needs free blocks for the
 whole prompt plus a watermark; a decode that finds no free block preempts (recompute) the latest-arrived
 request not yet scheduled this iteration, or itself. Paged KV, no prefix cache, no CUDA graphs, synchronous.
+
+Simulation speed (not a Sarathi mechanism): steady decodes are advanced as one lazy cohort
+(engines/decode_cohort.py, `schedule_decodes`); without a prefix cache the order in which decodes take their blocks
+only labels the blocks, so the cohort's running order stands in for arrival order until a step could preempt.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from simengine.config.loader import (
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.base import ENGINES, PagedEngine, StepResult
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.errors import InputError
@@ -63,6 +68,7 @@ class SarathiEngine(PagedEngine):
     research_baseline = True
     support_source = ("research policy (OSDI'24, microsoft/sarathi-serve runs on NVIDIA CUDA only); modelled "
                       "as a scheduling policy on any accelerator, like its Vidur reimplementation")
+    lazy_decode = True  # speed device (module docstring)
 
     def __init__(self, params: SarathiParams, dep: Deployment):
         # decodes are not capped by the chunk budget, only prefill chunks are (at most max_num_seqs decodes)
@@ -81,6 +87,17 @@ class SarathiEngine(PagedEngine):
         self.max_model_len = p.max_model_len or dep.model.max_model_len
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        # decodes are never capped (step_token_limit); pp > 1 keeps its per-request steps
+        self.cohort = DecodeCohort(self.kv, self.step_token_limit) if self.lazy_decode and dep.pp == 1 else None
+
+    def exact_mode(self) -> None:
+        super().exact_mode()
+        self.sync()
+        self.cohort = None
+
+    def sync(self) -> None:
+        if self.cohort is not None:
+            self.cohort.sync()
 
     def make_timing(self) -> EngineTiming:
         # ESTIMATE: sarathi-serve is a vLLM-0.2-era Python engine: scheduling + input preparation ~1 ms and
@@ -103,13 +120,31 @@ class SarathiEngine(PagedEngine):
         # Invariant: prefill tokens + decodes <= max(chunk_size, decodes); decodes are never delayed by a
         # prefill; len(running) <= max_num_seqs; preemption frees blocks only for decodes.
         out = SchedulerOutput()
-        pending = deque(sorted(self.running, key=ARRIVAL_ORDER))  # fcfs sort_by_priority
-        kept, prefills, used = self._schedule_decodes(out, pending)
+        cohort = self.cohort
+        prefills = cohort.schedule_decodes(out) if cohort is not None else None
+        exact = prefills is None
+        if prefills is None:
+            pending = deque(sorted(self.running, key=ARRIVAL_ORDER))  # fcfs sort_by_priority
+            kept, prefills, used = self._schedule_decodes(out, pending)
+            self.running = kept + prefills
+        else:  # the cohort took every decode; no block was short, so none preempted
+            prefills.sort(key=ARRIVAL_ORDER)
+            used = len(out.scheduled)
         used = self._schedule_prefills(out, prefills, used)
-        self.running = kept + prefills
+        num_running = len(self.running)
         self._schedule_waiting(out, used, now)
-        out.shape = self.make_shape(out.scheduled)
+        if cohort is not None:  # the admitted join the others at the end of the running order (all of it if exact)
+            cohort.order(self.running if exact else self.running[num_running:], fresh=exact)
+            out.shape = self.make_shape(out.scheduled, out.num_lazy, cohort.context_tokens(out.num_lazy))
+        else:
+            out.shape = self.make_shape(out.scheduled)
         return out
+
+    def update(self, out: SchedulerOutput, now: float) -> StepResult:
+        res = super().update(out, now)
+        if self.cohort is not None:
+            self.cohort.stepped(out, res.itl_groups, now)
+        return res
 
     def _schedule_decodes(self, out: SchedulerOutput, pending: deque[Request]) -> tuple[list, list, int]:
         """Decodes in arrival order; a decode short of a block preempts from the back of the unscheduled rest."""
@@ -167,6 +202,9 @@ class SarathiEngine(PagedEngine):
             used += n
 
     def check_invariants(self) -> None:
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(self.running)
         self.kv.pool.check_invariants()
         assert len(self.running) <= self.params.max_num_seqs
         assert sum(self.kv.num_blocks_of(r) for r in self.running) == self.kv.pool.num_used

@@ -43,7 +43,7 @@ class VllmEngine(PagedEngine):
     disaggregation_roles = frozenset({"prefill", "decode"})
     # speed devices (module docstring): steady decodes in a DecodeCohort, off with pp > 1, speculation or LoRA
     # (per-request steps); own-output blocks published late, so a cohort member's only KV event is taking a block
-    lazy_decode: ClassVar[bool] = True
+    lazy_decode = True
     defer_output_publish: ClassVar[bool] = True
 
     def __init__(self, params: VllmParams, dep: Deployment):

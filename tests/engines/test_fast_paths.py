@@ -1,8 +1,9 @@
 """The simulator's speed devices change no result: with each on or off, every run gives identical figures.
 
-* vLLM's lazy decode cohort: random scenarios (the fuzz generator's, plus vLLM's own scheduling knobs:
-  long_prefill_token_threshold, priority scheduling, prefix caching off, block size) run with
-  `VllmEngine.lazy_decode` off (every request walked every step) and on.
+* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM and Sarathi-Serve, taken from the registry): random
+  scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM long_prefill_token_threshold,
+  priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size, block size and watermark) run
+  with the cohort off (every request walked every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
@@ -17,6 +18,7 @@ from collections import Counter
 from unittest import mock
 
 import pandas as pd
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +27,6 @@ from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, OutputConfig, Scenario, load_scenario
 from simengine.engines import ENGINES
 from simengine.engines.base import EnginePolicy
-from simengine.engines.vllm import VllmEngine
 from simengine.errors import InputError
 from simengine.sim.runner import Runner
 from simengine.workload.config import RequestClass
@@ -45,12 +46,24 @@ def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
         "engines": [{"engine": engine, "params": params}]}, source="test")
 
 
+# engines that advance steady decodes in a DecodeCohort, from the registry
+COHORT = sorted(n for n in ENGINES.names() if ENGINES.get(n).lazy_decode)
+
+
 def _run(sc, lazy: bool) -> api.EngineResult:
+    """The scenario's engine with its cohort (and vLLM's deferred output publishing, which the cohort counts on) on
+    or off."""
     # no detailed requests: their token times are recorded on the exact path, outside the cohort
     sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=0))
-    with mock.patch.object(VllmEngine, "lazy_decode", lazy), mock.patch.object(VllmEngine, "defer_output_publish",
-                                                                               lazy):
+    cls = ENGINES.get(sc.engines[0].engine)
+    defer = "defer_output_publish" in vars(cls)
+    with mock.patch.object(cls, "lazy_decode", lazy), \
+            mock.patch.object(cls, "defer_output_publish", lazy if defer else False, create=not defer):
         return api.run_engine(sc, sc.engines[0])
+
+
+def test_cohort_engines_are_found():
+    assert {"vllm", "sarathi"} <= set(COHORT)
 
 
 def _gaps(res: api.EngineResult) -> Counter:
@@ -81,19 +94,46 @@ def test_cohort_changes_no_result(draw, threshold, policy, caching, block_size):
     _assert_same(_run(sc, lazy=True), eager)
 
 
-def test_cohort_is_used_and_equal_on_a_busy_run():
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(draw=scenarios(engine="sarathi"), chunk=st.sampled_from([None, 32, 512]),
+       block_size=st.sampled_from([16, 16, 8, 64]), watermark=st.sampled_from([0.01, 0.0, 0.2]))
+def test_sarathi_cohort_changes_no_result(draw, chunk, block_size, watermark):
+    engine, data, kv_tokens, caps = draw
+    try:
+        sc = build(engine, data, kv_tokens, caps)
+    except InputError:
+        return
+    entry = sc.engines[0]
+    params = {**entry.params, "block_size": block_size, "watermark_blocks_fraction": watermark}
+    if chunk is not None:
+        params["chunk_size"] = chunk
+    sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)])
+    try:
+        eager = _run(sc, lazy=False)
+    except InputError:
+        return
+    _assert_same(_run(sc, lazy=True), eager)
+
+
+# a KV pool small enough that some steps preempt (the cohort falls back to the exact loop)
+BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16}}
+
+
+@pytest.mark.parametrize("engine", COHORT)
+def test_cohort_is_used_and_equal_on_a_busy_run(engine):
     """A loaded replica (hundreds of concurrent decodes, KV near full so some steps fall back) gives the same
     figures with the cohort as without, and the cohort really carries most decodes."""
-    sc = _busy("vllm", 600, {"kv_cache_memory_bytes": 40000 * 131072})
+    sc = _busy(engine, 600, BUSY_KV[engine])
     lazy_steps = []
-    real_update = VllmEngine.update
+    cls = ENGINES.get(engine)
+    real_update = cls.update
 
     def spy(self, out, now):
         lazy_steps.append((out.num_lazy, out.shape.num_decode))
         return real_update(self, out, now)
 
     eager = _run(sc, lazy=False)
-    with mock.patch.object(VllmEngine, "update", spy):
+    with mock.patch.object(cls, "update", spy):
         lazy = _run(sc, lazy=True)
     _assert_same(lazy, eager)
     assert lazy.summary["preemptions"] > 0  # the fallback to the exact loop ran too
@@ -137,6 +177,8 @@ def test_exact_mode_switches_every_device_off():
     runner = Runner(sc, sc.engines[0])
     eng = runner.engines[0]
     assert eng.cohort is None and not eng.kv.defer_output_publish and not runner.factory.mark_private
+    sarathi = Runner(dataclasses.replace(_busy("sarathi", 5, {}), exact=True), EngineEntry(engine="sarathi"))
+    assert sarathi.engines[0].cohort is None
     static = Runner(dataclasses.replace(_busy("static", 5, {}), exact=True), EngineEntry(engine="static"))
     assert static.engines[0].repeat_steps(None) == 0
 
