@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation, with_proposer
@@ -58,8 +59,10 @@ class EnginePolicy(ABC):
     # prefill role keeps a finished `hold_kv` request's KV until `free_held`; a decode role reserves blocks for
     # `remote_kv_tokens` (SchedulerOutput.kv_reserved) and schedules the request after `remote_kv_arrived`
     disaggregation_roles: ClassVar[frozenset[str]] = frozenset()
-    # speed device (docs/performance.md): the engine advances its steady decodes in a DecodeCohort
+    # speed device (docs/performance.md): the engine advances its steady decodes in a DecodeCohort (`cohort`, which
+    # the engine creates where its configuration allows; `update`, `make_shape`, `sync` and `exact_mode` use it)
     lazy_decode: ClassVar[bool] = False
+    cohort: DecodeCohort | None = None
 
     # Limits the shared invariant tests check on every step (None = the engine has no such cap).
     step_token_limit: int | None = None       # tokens computed per step (vLLM max_num_batched_tokens, ...)
@@ -263,10 +266,14 @@ class EnginePolicy(ABC):
         """Switch the engine's speed devices off (Scenario.exact): the reference path alone. The base engine's one
         is the closed-form repeat of proven-identical steps (`repeat_steps`); an engine with more extends this."""
         self.repeat_steps = lambda out: 0   # type: ignore[method-assign]
+        self.sync()
+        self.cohort = None
 
-    def sync(self) -> None:  # noqa: B027  (optional hook: only engines with lazy counters need it)
-        """Bring every request's counters up to date (an engine that advances some lazily, vLLM's decode cohort,
-        writes them now); call before reading a running request's progress from outside the engine."""
+    def sync(self) -> None:
+        """Bring every request's counters up to date (the decode cohort's members are advanced lazily); call before
+        reading a running request's progress from outside the engine."""
+        if self.cohort is not None:
+            self.cohort.sync()
 
     # ---- shared mechanics ---------------------------------------------------------------------------
     def reject(self, req: Request, reason: str) -> bool:
@@ -325,6 +332,8 @@ class EnginePolicy(ABC):
             itl[run_prev] = itl.get(run_prev, 0) + run_count
         if finished:
             self.on_finished(res.finished, now)
+        if self.cohort is not None:
+            self.cohort.stepped(out, itl, now)
         return res
 
     def stop_at_length(self, out: SchedulerOutput, res: StepResult, now: float, limit: int, reason: str) -> int:
@@ -346,14 +355,13 @@ class EnginePolicy(ABC):
         for req in finished:
             self.release(req)
 
-    def make_shape(self, scheduled: Sequence[tuple[Request, int]], num_lazy: int = 0,
-                   lazy_context_tokens: int = 0) -> BatchShape:
+    def make_shape(self, scheduled: Sequence[tuple[Request, int]], num_lazy: int = 0) -> BatchShape:
         """The batch shape of a step, with CUDA-graph coverage decided by the engine's timing terms. The first
-        `num_lazy` entries are steady decodes reading `lazy_context_tokens` in all (their counters may be stale)."""
+        `num_lazy` entries are the decode cohort's members (their counters may be stale)."""
         shape = BatchShape()
         chunks = shape.prefill_chunks
         num_decode = logits = num_lazy
-        ctx = lazy_context_tokens
+        ctx = self.cohort.context_tokens(num_lazy) if num_lazy and self.cohort is not None else 0
         structured = spec = drafts = 0
         for req, n in islice(scheduled, num_lazy, None) if num_lazy else scheduled:
             if req.structured:

@@ -30,7 +30,7 @@ from simengine.config.loader import (
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine, StepResult
+from simengine.engines.base import ENGINES, PagedEngine
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
@@ -90,15 +90,6 @@ class SarathiEngine(PagedEngine):
         # decodes are never capped (step_token_limit); pp > 1 keeps its per-request steps
         self.cohort = DecodeCohort(self.kv, self.step_token_limit) if self.lazy_decode and dep.pp == 1 else None
 
-    def exact_mode(self) -> None:
-        super().exact_mode()
-        self.sync()
-        self.cohort = None
-
-    def sync(self) -> None:
-        if self.cohort is not None:
-            self.cohort.sync()
-
     def make_timing(self) -> EngineTiming:
         # ESTIMATE: sarathi-serve is a vLLM-0.2-era Python engine: scheduling + input preparation ~1 ms and
         # sampler + output processing ~1 ms per iteration, with no overlap (the base engine loop is synchronous)
@@ -135,16 +126,8 @@ class SarathiEngine(PagedEngine):
         self._schedule_waiting(out, used, now)
         if cohort is not None:  # the admitted join the others at the end of the running order (all of it if exact)
             cohort.order(self.running if exact else self.running[num_running:], fresh=exact)
-            out.shape = self.make_shape(out.scheduled, out.num_lazy, cohort.context_tokens(out.num_lazy))
-        else:
-            out.shape = self.make_shape(out.scheduled)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         return out
-
-    def update(self, out: SchedulerOutput, now: float) -> StepResult:
-        res = super().update(out, now)
-        if self.cohort is not None:
-            self.cohort.stepped(out, res.itl_groups, now)
-        return res
 
     def _schedule_decodes(self, out: SchedulerOutput, pending: deque[Request]) -> tuple[list, list, int]:
         """Decodes in arrival order; a decode short of a block preempts from the back of the unscheduled rest."""

@@ -10,19 +10,24 @@ FCFS chunks rounded to tokens_per_block). Block reuse is a radix of full blocks;
 new block another request is producing this step waits (beneficialToSkip). The overlap scheduler launches step
 n+1 before step n's stop checks, so every request runs one extra decode step and is seen finished one step
 later. CUDA graphs cover generation-only batches of captured sizes (1..31, 32, 64, 128; no padding).
+
+Simulation speed (not a TensorRT-LLM mechanism): under GUARANTEED_NO_EVICT and STATIC_BATCH without speculation,
+steady generation requests are advanced as one lazy cohort (engines/decode_cohort.py, `schedule_decodes`).
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass
+from itertools import islice
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine, StepResult
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation
+from simengine.engines.trtllm_capacity import CompletionReservations, MicroBatchBudget, arrival_order
 from simengine.engines.trtllm_config import (
     GGML_FORMATS,
     TrtllmParams,
@@ -33,25 +38,6 @@ from simengine.engines.trtllm_config import (
 from simengine.engines.trtllm_reuse import ContextReuse
 from simengine.errors import InputError
 from simengine.kvcache.manager import NO_HIT, PrefixHit
-
-
-def _order(req: Request) -> tuple[float, int]:
-    return req.arrival_s, req.request_id   # PyExecutor keeps active_requests in arrival order
-
-
-@dataclass(slots=True)
-class _Budget:
-    """The micro-batch scheduler's per-step caps: max_num_tokens and max_batch_size."""
-
-    tokens: int
-    slots: int
-
-    def take(self, charge: int) -> bool:
-        if self.slots <= 0 or charge > self.tokens:
-            return False
-        self.tokens -= charge
-        self.slots -= 1
-        return True
 
 
 @ENGINES.register("trtllm")
@@ -69,6 +55,7 @@ class TrtllmEngine(PagedEngine):
                       "DGX Spark) and the v0.12.0-jetson branch for Jetson AGX Orin")
     supports_expert_parallel = True  # TensorRT-LLM moe_expert_parallel_size (llm_args.py)
     supports_attention_dp = True  # enable_attention_dp (llm_args.py; docs/source/features/parallel-strategy.md)
+    lazy_decode = True  # speed device (module docstring)
 
     def __init__(self, params: TrtllmParams, dep: Deployment):
         p = params
@@ -84,12 +71,15 @@ class TrtllmEngine(PagedEngine):
         self.kv = trtllm_kv_cache(p, dep)
         num_blocks = self.kv.num_blocks
         self.max_model_len = min(p.max_seq_len or dep.model.max_model_len, num_blocks * p.tokens_per_block)
+        self.reservations = CompletionReservations(self.kv, self.max_model_len)  # started: running and loading
         self.running: list[Request] = []   # started (holding KV), arrival order; includes overlap tails
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
         self.tails: set[int] = set()   # finished on the GPU, awaiting the overlap scheduler's extra step
         self.reuse = ContextReuse(self.kv)   # beneficialToSkip and the blocks contexts produce this step
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
         self.onboarded = 0                    # tokens this step copies in from the host pool
+        lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.policy != "MAX_UTILIZATION"
+        self.cohort = DecodeCohort(self.kv, self.max_num_tokens) if lazy else None
 
     @classmethod
     def speculation_of(cls, params: TrtllmParams, dep: Deployment) -> Speculation | None:
@@ -124,11 +114,12 @@ class TrtllmEngine(PagedEngine):
         if req.remote_kv_tokens:
             self.gen_init.append(req)
             return True
-        insort(self.waiting, req, key=_order)
+        insort(self.waiting, req, key=arrival_order)
         return True
 
     def release(self, req: Request) -> None:
         self.tails.discard(req.request_id)
+        self.reservations.end(req)
         super().release(req)
 
     def on_finished(self, finished: list[Request], now: float) -> None:
@@ -138,16 +129,16 @@ class TrtllmEngine(PagedEngine):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
-        if not self.overlap:
-            return super().update(out, now)
-        ending = self.tails
-        tails = [r for r, _ in out.scheduled if r.request_id in ending]
-        live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending])
+        ending = self.tails   # empty without overlap; never cohort members (their last token is not in sight)
+        tails = [r for r, _ in islice(out.scheduled, out.num_lazy, None) if r.request_id in ending] if ending else []
+        live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending],
+                               num_lazy=out.num_lazy) if tails else out
         res = super().update(live, now)
-        for req in res.finished:  # sampled its last token, but step n+1 was launched before the stop check
-            req.status, req.finish_s = Status.RUNNING, -1.0
-            ending.add(req.request_id)
-        res.finished = []
+        if self.overlap:
+            for req in res.finished:  # sampled its last token, but step n+1 was launched before the stop check
+                req.status, req.finish_s = Status.RUNNING, -1.0
+                ending.add(req.request_id)
+            res.finished = []
         for req in tails:
             req.num_computed_tokens += 1
             req.status, req.finish_s = Status.FINISHED, now
@@ -166,25 +157,24 @@ class TrtllmEngine(PagedEngine):
         if self.policy == "MAX_UTILIZATION":
             self._schedule_max_utilization(out, now)
         else:
-            budget = self._schedule_started(out)
+            contexts = self.cohort.schedule_decodes(out) if self.cohort is not None else None
+            budget = self._schedule_started(out, contexts)
             if self.policy == "GUARANTEED_NO_EVICT" or not self.running:
                 self._schedule_pending(out, budget, now)
+            if self.cohort is not None and contexts is None:  # the exact loop decided: a fresh running order
+                self.cohort.order(self.running, fresh=True)
         if not out.scheduled and self.waiting:
             out.idle_reason = "head request's KV reservation or prompt does not fit yet"
-        out.shape = self.make_shape(out.scheduled)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         out.shape.host_load_tokens, self.onboarded = self.onboarded, 0
         return out
 
-    def _reserve_tokens(self, req: Request) -> int:
-        """getRemainingBlocksToCompletion's horizon: prompt + max_tokens, within max_seq_len."""
-        return min(req.prompt_len + req.max_tokens, self.max_model_len)
-
     def _available_blocks(self) -> int:
         """Free blocks (reusable ones included) minus every started request's blocks still to come."""
-        kv = self.kv
-        reserved = sum(max(0, kv.blocks_for(self._reserve_tokens(r)) - kv.num_blocks_of(r))
-                       for reqs in (self.running, self.loading.values()) for r in reqs)
-        return kv.pool.num_free - reserved
+        reserved = self.reservations.blocks_to_come()
+        if self.cohort is not None:  # cohort members' blocks not yet in their tables (never past their reservation)
+            reserved -= len(self.cohort.spare)
+        return self.kv.pool.num_free - reserved
 
     def _context_tokens(self, req: Request, hit: PrefixHit, capacity: int) -> tuple[int, int]:
         """(tokens computed, tokens charged) for a context step: whole prompt, or an FCFS chunk."""
@@ -196,11 +186,6 @@ class TrtllmEngine(PagedEngine):
         n = capacity // self.kv.block_size * self.kv.block_size          # chunk ends on a block unless final
         return n, n
 
-    def _run(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        if not self.kv.allocate_slots(req, n):
-            raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
-        out.scheduled.append((req, n))
-
     def _prepare_gen_init(self, out: SchedulerOutput) -> None:
         """Generation-only requests in arrival order, while the batch has room and (GUARANTEED_NO_EVICT) the blocks
         to their completion fit beside every started request's: blocks for the prompt now, the KV on its way."""
@@ -209,10 +194,12 @@ class TrtllmEngine(PagedEngine):
         for req in self.gen_init:
             if len(self.running) + len(self.loading) >= self.max_batch_size:
                 break
-            need = self.kv.blocks_for(self._reserve_tokens(req) if self.policy != "MAX_UTILIZATION" else req.prompt_len)
+            need = (self.kv.blocks_for(req.prompt_len) if self.policy == "MAX_UTILIZATION" else
+                    self.reservations.horizon(req))
             if need > avail or not self.kv.allocate_slots(req, 0, reserve_tokens=req.prompt_len):
                 break
             avail -= need
+            self.reservations.start(req)
             self.reserved_for_remote(req, req.prompt_len, out)
             taken += 1
         del self.gen_init[:taken]
@@ -221,18 +208,44 @@ class TrtllmEngine(PagedEngine):
         """The KV is in its blocks: the context server's first token came with it; it decodes from the next step."""
         del self.loading[req.request_id]
         if self.take_remote_first_token(req, now):
+            self.reservations.end(req)
             self.kv.free(req)
             return
         self.kv.publish_through(req, req.prompt_len)
         self.mark_scheduled(req, now)
-        insort(self.running, req, key=_order)
+        self._start(req)
 
-    def _schedule_started(self, out: SchedulerOutput) -> _Budget:
-        """Generation tokens first, then the next chunk of contexts already chunking (FCFS)."""
-        budget = _Budget(self.max_num_tokens, self.max_batch_size)
+    def _start(self, req: Request) -> None:
+        insort(self.running, req, key=arrival_order)
+        self.reservations.start(req)
+        if self.cohort is not None:
+            self.cohort.order([req], fresh=False)
+
+    def _schedule_started(self, out: SchedulerOutput, contexts: list[Request] | None) -> MicroBatchBudget:
+        """Generation tokens first, then the next chunk of contexts already chunking (FCFS). `contexts`: the running
+        contexts when the cohort took the generation tokens (None: every request walked here)."""
+        budget = MicroBatchBudget(self.max_num_tokens, self.max_batch_size)
+        if contexts is not None:  # no cap bound the cohort's generation tokens
+            contexts.sort(key=arrival_order)
+            budget.tokens -= len(out.scheduled)
+            budget.slots -= len(out.scheduled)
+        else:
+            contexts = self._schedule_generation(out, budget)
+        for req in contexts:
+            n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
+            if n <= 0 or not budget.take(charge):
+                break
+            self.reuse.note_produced(req, n)
+            if not self.kv.allocate_slots(req, n):
+                raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
+            out.scheduled.append((req, n))
+        return budget
+
+    def _schedule_generation(self, out: SchedulerOutput, budget: MicroBatchBudget) -> list[Request]:
+        """Every generation request that fits, in arrival order; returns the running contexts."""
         decoding: list[Request] = []
         contexts: list[Request] = []
-        for r in self.running:  # Request.is_decoding, inline: this runs for every request every step
+        for r in self.running:  # Request.is_decoding, inline
             (decoding if r.num_output_tokens and r.prompt_len + r.num_output_tokens - r.num_computed_tokens == 1
              else contexts).append(r)
         allocate = self.kv.allocate_slots
@@ -255,15 +268,9 @@ class TrtllmEngine(PagedEngine):
                 if req.num_computed_tokens + n > req.kv_settled_tokens and not allocate(req, n):
                     raise RuntimeError(f"trtllm: started {req} lost its reserved KV blocks")
                 out.scheduled.append((req, n))
-        for req in contexts:
-            n, charge = self._context_tokens(req, NO_HIT, budget.tokens)
-            if n <= 0 or not budget.take(charge):
-                break
-            self.reuse.note_produced(req, n)
-            self._run(req, n, out)
-        return budget
+        return contexts
 
-    def _schedule_pending(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
+    def _schedule_pending(self, out: SchedulerOutput, budget: MicroBatchBudget, now: float) -> None:
         """Admit context requests in arrival order while their reservation to completion and prompt fit."""
         if not self.waiting:
             return
@@ -282,7 +289,7 @@ class TrtllmEngine(PagedEngine):
                 self.reuse.unlookup(req, hit)
                 i += 1
                 continue
-            need = self.kv.blocks_for(self._reserve_tokens(req))
+            need = self.reservations.horizon(req)
             n, charge = self._context_tokens(req, reused, budget.tokens)
             if need > avail or n <= 0 or not budget.take(charge):
                 self.reuse.unlookup(req, hit)
@@ -306,13 +313,13 @@ class TrtllmEngine(PagedEngine):
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit.num_tokens
         self.mark_scheduled(req, now)
-        insort(self.running, req, key=_order)
+        self._start(req)
         out.scheduled.append((req, n))
 
     def _schedule_max_utilization(self, out: SchedulerOutput, now: float) -> None:
         """One fused pass in arrival order: admit on next-step blocks, pause the newest started when short."""
-        budget = _Budget(self.max_num_tokens, self.max_batch_size)
-        order = sorted(self.running + self.waiting, key=_order)
+        budget = MicroBatchBudget(self.max_num_tokens, self.max_batch_size)
+        order = sorted(self.running + self.waiting, key=arrival_order)
         keys = self.reuse.contributed_keys(self.running)
         i, end = 0, len(order)
         while i < end:
@@ -364,21 +371,26 @@ class TrtllmEngine(PagedEngine):
             victim = order[j]
             if victim.status is Status.RUNNING and victim.request_id not in self.tails:
                 self.running.remove(victim)
+                self.reservations.end(victim)
                 self.kv.free(victim)   # its full blocks stay reusable: the resume is a partial recompute
                 victim.num_computed_tokens = 0
                 victim.status = Status.PREEMPTED
                 victim.num_preemptions += 1
                 self.num_preemptions += 1
                 out.preempted.append(victim)
-                insort(self.waiting, victim, key=_order)
+                insort(self.waiting, victim, key=arrival_order)
                 return j
         return -1
 
     def check_invariants(self) -> None:
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(self.running)
         self.kv.pool.check_invariants()
         if self.kv.host is not None:
             self.kv.host.check_invariants()
         assert len(self.running) <= self.max_batch_size
+        assert self.reservations.horizon_blocks.keys() == {r.request_id for r in self.running} | self.loading.keys()
         if self.policy != "MAX_UTILIZATION":
             assert self._available_blocks() >= 0, "GUARANTEED_NO_EVICT reservation exceeds free blocks"
         for req in self.running:

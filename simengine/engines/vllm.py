@@ -92,8 +92,6 @@ class VllmEngine(PagedEngine):
     def exact_mode(self) -> None:
         """No decode cohort and no deferred publishing: every request walked and every block published each step."""
         super().exact_mode()
-        self.sync()
-        self.cohort = None
         self.kv.defer_output_publish = False
 
     @classmethod
@@ -165,9 +163,7 @@ class VllmEngine(PagedEngine):
             self._schedule_waiting(out, budget, now)
         if cohort is not None:  # the admitted join the others at the end of the running order (all of it if exact)
             cohort.order(self.running if exact else self.running[num_running:], fresh=exact)
-            out.shape = self.make_shape(out.scheduled, out.num_lazy, cohort.context_tokens(out.num_lazy))
-        else:
-            out.shape = self.make_shape(out.scheduled)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         if self.adapters is not None:
             self.adapters.shape_step(out.scheduled, out.shape)
         if self.params.num_scheduler_steps > 1:   # a decode-only step starts a run of num_scheduler_steps
@@ -192,15 +188,9 @@ class VllmEngine(PagedEngine):
         if self.in_flight:
             self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         res = super().update(out, now)
-        if self.cohort is not None:
-            self.cohort.stepped(out, res.itl_groups, now)
         self.last_step_end_s = now
         self.last_out = out
         return res
-
-    def sync(self) -> None:
-        if self.cohort is not None:
-            self.cohort.sync()
 
     def check_invariants(self) -> None:
         self.sync()

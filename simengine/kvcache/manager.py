@@ -224,6 +224,12 @@ class KVCacheManager:
     def num_blocks_of(self, req: Request) -> int:
         return len(self.req_blocks.get(req.request_id, ()))
 
+    def blocks_short_of(self, horizon_blocks: dict[int, int]) -> int:
+        """Blocks the requests (request id -> a block count) still need to hold that many each; a request already
+        past its count needs none."""
+        tables = self.req_blocks.get
+        return sum(short for rid, n in horizon_blocks.items() if (short := n - len(tables(rid, ()))) > 0)
+
     def free(self, req: Request, cached_tokens: int | None = None) -> None:
         """Release every block of the request (no-op if it holds none). The blocks its first `cached_tokens` tokens
         fill (default: its computed tokens) stay in the prefix cache; blocks past them it published are dropped

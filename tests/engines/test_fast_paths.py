@@ -1,9 +1,10 @@
 """The simulator's speed devices change no result: with each on or off, every run gives identical figures.
 
-* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM and Sarathi-Serve, taken from the registry): random
-  scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM long_prefill_token_threshold,
-  priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size, block size and watermark) run
-  with the cohort off (every request walked every step) and on.
+* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve and TensorRT-LLM, taken from the
+  registry): random scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM
+  long_prefill_token_threshold, priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size,
+  block size and watermark; for TensorRT-LLM the capacity policy, chunked prefill, overlap, block reuse and block
+  size) run with the cohort off (every request walked every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
@@ -62,10 +63,6 @@ def _run(sc, lazy: bool) -> api.EngineResult:
         return api.run_engine(sc, sc.engines[0])
 
 
-def test_cohort_engines_are_found():
-    assert {"vllm", "sarathi"} <= set(COHORT)
-
-
 def _gaps(res: api.EngineResult) -> Counter:
     gaps: Counter = Counter()
     for value, count in zip(res.itl_ms, res.itl_counts):
@@ -94,19 +91,33 @@ def test_cohort_changes_no_result(draw, threshold, policy, caching, block_size):
     _assert_same(_run(sc, lazy=True), eager)
 
 
+# each cohort engine's own scheduling knobs (vLLM's are drawn in test_cohort_changes_no_result)
+COHORT_KNOBS = {
+    "sarathi": st.fixed_dictionaries({"block_size": st.sampled_from([16, 16, 8, 64]),
+                                      "watermark_blocks_fraction": st.sampled_from([0.01, 0.0, 0.2]),
+                                      "chunk_size": st.sampled_from([32, 512, 512])}),
+    "trtllm": st.fixed_dictionaries({
+        "capacity_scheduler_policy": st.sampled_from(["GUARANTEED_NO_EVICT", "GUARANTEED_NO_EVICT", "STATIC_BATCH"]),
+        "enable_chunked_prefill": st.booleans(), "disable_overlap_scheduler": st.booleans(),
+        "enable_block_reuse": st.booleans(), "tokens_per_block": st.sampled_from([32, 32, 8, 64])}),
+}
+
+
+def test_every_cohort_engine_draws_its_knobs():
+    assert set(COHORT) == {"vllm", *COHORT_KNOBS}
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(draw=scenarios(engine="sarathi"), chunk=st.sampled_from([None, 32, 512]),
-       block_size=st.sampled_from([16, 16, 8, 64]), watermark=st.sampled_from([0.01, 0.0, 0.2]))
-def test_sarathi_cohort_changes_no_result(draw, chunk, block_size, watermark):
-    engine, data, kv_tokens, caps = draw
+@given(data=st.data())
+@pytest.mark.parametrize("engine", sorted(COHORT_KNOBS))
+def test_engine_cohort_changes_no_result(engine, data):
+    _, draw, kv_tokens, caps = data.draw(scenarios(engine=engine))
     try:
-        sc = build(engine, data, kv_tokens, caps)
+        sc = build(engine, draw, kv_tokens, caps)
     except InputError:
         return
     entry = sc.engines[0]
-    params = {**entry.params, "block_size": block_size, "watermark_blocks_fraction": watermark}
-    if chunk is not None:
-        params["chunk_size"] = chunk
+    params = {**entry.params, **data.draw(COHORT_KNOBS[engine])}
     sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)])
     try:
         eager = _run(sc, lazy=False)
@@ -116,7 +127,8 @@ def test_sarathi_cohort_changes_no_result(draw, chunk, block_size, watermark):
 
 
 # a KV pool small enough that some steps preempt (the cohort falls back to the exact loop)
-BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16}}
+BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16},
+           "trtllm": {"kv_cache_max_tokens": 40000}}
 
 
 @pytest.mark.parametrize("engine", COHORT)
@@ -136,7 +148,8 @@ def test_cohort_is_used_and_equal_on_a_busy_run(engine):
     with mock.patch.object(cls, "update", spy):
         lazy = _run(sc, lazy=True)
     _assert_same(lazy, eager)
-    assert lazy.summary["preemptions"] > 0  # the fallback to the exact loop ran too
+    # the fallback to the exact loop ran too (TensorRT-LLM's GUARANTEED_NO_EVICT never preempts: admission waits)
+    assert lazy.summary["preemptions"] > 0 or engine == "trtllm"
     carried = sum(k for k, _ in lazy_steps) / sum(d for _, d in lazy_steps)
     assert carried > 0.7, f"the cohort carried only {carried:.0%} of decodes"
 

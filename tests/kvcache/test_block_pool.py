@@ -234,3 +234,18 @@ def test_private_blocks_freed_from_the_tail_are_published_first():
         kv.free(r)
         r.num_computed_tokens = 0
     assert [kv.get_computed_blocks(r).num_tokens for kv, r in zip(managers, reqs)] == [12, 12]
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 20)), min_size=0, max_size=6))
+def test_blocks_short_of_counts_what_each_request_lacks_to_its_horizon(reqs):
+    """TensorRT-LLM's reservation to completion: per request, its horizon's blocks minus those it holds, never less
+    than none; a request with no table lacks all of them."""
+    kv = KVCacheManager(1000, 16, enable_prefix_caching=False)
+    horizons, expected = {}, 0
+    for tokens, horizon in reqs:
+        req = make_request(max(tokens, 1))
+        if tokens:
+            assert kv.allocate_slots(req, tokens)
+        horizons[req.request_id] = horizon
+        expected += max(0, horizon - kv.num_blocks_of(req))
+    assert kv.blocks_short_of(horizons) == expected
