@@ -8,7 +8,8 @@ kernels extra is installed), with the roofline alone (`deployment.cost_model: ro
 model's cost on record, and in the exact mode (`exact: true`, `exact_seconds_10k`: the reference path without the
 speed devices, to keep their gain on record); a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
-(`--repeat`, default 3) and the fastest counts. Compare machines by the ratios.
+(`--repeat`, default 3) and the fastest counts; the per-engine runs and the SimPy loop go in interleaved rounds (one
+run of each per round), so a busy spell slows all of them alike. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
 Clusters: `cluster_seconds_100k_16r`, 100k requests on 16 replicas at 16 times the rate, and `cluster_cost_ratio`,
 its seconds per request over the single replica's 100k run (routing, load states and 16 engine loops).
@@ -141,6 +142,18 @@ def best_of(repeat: int, kind: str, n: int = 0, rate: float | None = None) -> di
     return min((measure(kind, n, rate) for _ in range(repeat)), key=lambda r: r["seconds"])
 
 
+def best_interleaved(repeat: int, kinds: list[str], n: int, rate: float | None) -> dict[str, dict]:
+    """`best_of` for several kinds at once, run in rounds of one run of each: a busy spell on the shared machine then
+    slows one run of every kind instead of every run of one, so the ratios between kinds hold."""
+    best: dict[str, dict] = {}
+    for _ in range(repeat):
+        for kind in kinds:
+            r = measure(kind, n, rate)
+            if kind not in best or r["seconds"] < best[kind]["seconds"]:
+                best[kind] = r
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--child")
@@ -174,12 +187,16 @@ def main() -> None:
         r = measure("vllm", args.profile, rate, profile_out=out)
         print(f"{args.profile} requests: {r['seconds']:.2f} s under cProfile; top entries in {out}")
         return
-    simpy_1m = best_of(args.repeat, "simpy")["seconds"]
-    runs = {n: best_of(args.repeat if n <= 10_000 else 1, "vllm", n, rate) for n in sizes}
-    per_engine = {e: runs[sizes[0]] if e == "vllm" else best_of(args.repeat, e, sizes[0], rate)
-                  for e in ENGINES.names() if e != "generic"}
-    roofline = {e: best_of(args.repeat, f"{e}:roofline", sizes[0], rate) for e in per_engine}
-    exact = {e: best_of(args.repeat, f"{e}!exact", sizes[0], rate) for e in per_engine}
+    engines = [e for e in ENGINES.names() if e != "generic"]
+    # the SimPy loop and every engine at the first size (default, roofline and exact) in interleaved rounds
+    first_runs = best_interleaved(args.repeat, ["simpy", *engines, *(f"{e}:roofline" for e in engines),
+                                                *(f"{e}!exact" for e in engines)], sizes[0], rate)
+    simpy_1m = first_runs["simpy"]["seconds"]
+    runs = {n: first_runs["vllm"] if n == sizes[0] else best_of(args.repeat if n <= 10_000 else 1, "vllm", n, rate)
+            for n in sizes}
+    per_engine = {e: first_runs[e] for e in engines}
+    roofline = {e: first_runs[f"{e}:roofline"] for e in engines}
+    exact = {e: first_runs[f"{e}!exact"] for e in engines}
     cluster = measure("vllm@16", 100_000, round(16 * rate, 3)) if 100_000 in runs else None
     from simengine.cost.measured import data_root
     measured_on = data_root() is not None

@@ -175,7 +175,7 @@ class Scenario(Checked):
     slo: SloConfig = field(default_factory=SloConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     pools: list[PoolConfig] | None = None   # the cluster of every engine entry without pools of its own
-    # run the reference path alone: none of the simulator's speed devices (vLLM's decode cohort and deferred block
+    # run the reference path alone: none of the simulator's speed devices (the decode cohort and deferred block
     # publishing, closed-form repeated steps, private-token marking); the results are identical, only slower
     # (docs/performance.md 'Exact mode')
     exact: bool = False

@@ -55,7 +55,7 @@ class SchedulerOutput:
     kv_reserved: list[Request] = field(default_factory=list)  # P/D decode side: blocks reserved for remote KV
     kv_loads: list[Request] = field(default_factory=list)     # blocks reserved for KV loaded from the host tier
     # the first `num_lazy` scheduled entries are steady decodes (one token each) whose counters the engine
-    # advances itself (vLLM's decode cohort); the shared update and make_shape skip them
+    # advances itself (the decode cohort); the shared update and make_shape skip them
     num_lazy: int = 0
 
     @property

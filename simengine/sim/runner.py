@@ -335,7 +335,7 @@ class Runner:
         self.down.append(log)
         old = self.replicas[i]
         old.stop()
-        old.engine.sync()       # lazily advanced counters (vLLM's decode cohort) as of the last completed step
+        old.engine.sync()       # lazily advanced counters (the decode cohort) as of the last completed step
         pool = self.pool_of[i]
         engine = build_engine(pool.entry, pool.dep)   # what comes back: the failed engine and its cache are gone
         self.engines[i] = engine
