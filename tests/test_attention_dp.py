@@ -42,8 +42,8 @@ def test_a_rank_holds_the_attention_whole_and_a_tp_share_of_the_experts():
     # every KV head on the rank that owns the request (Qwen3-235B's 4 KV heads are replicated under TP8)
     assert adp.kv_bytes_per_token_per_device == pytest.approx(m.kv_bytes_per_token(1.0))
     assert tp.kv_bytes_per_token_per_device == pytest.approx(m.kv_bytes_per_token(1.0) / 4)
-    assert (adp.num_devices, adp.dp_ranks, adp.attention_tp) == (1, 8, 1)
-    assert (tp.num_devices, tp.dp_ranks, tp.attention_tp) == (8, 1, 8)
+    assert (adp.num_devices, adp.attention_tp) == (1, 1)
+    assert (tp.num_devices, tp.attention_tp) == (8, 8)
 
 
 def test_a_ranks_work_is_its_own_attention_and_the_groups_tokens_at_its_experts():

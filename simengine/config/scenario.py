@@ -75,12 +75,17 @@ class DeploymentConfig(Checked):
     # layer by layer while it computes (Mooncake, DistServe), the decode side reserving its blocks when it starts
     kv_transfer: Literal["after_prefill", "layerwise"] = "after_prefill"
 
+    @property
+    def num_schedulers(self) -> int:
+        """Replicas behind the router: one per tp x pp group, or with attention DP one per rank of each group."""
+        return self.replicas * (self.tp if self.attention_dp else 1)
+
     def __post_init__(self):
         super().__post_init__()
         from simengine.routers.base import router_and_params
 
         router_and_params(self.router, self.router_params, at="deployment.")
-        count = self.replicas * (self.tp if self.attention_dp else 1)   # attention DP: one replica per rank
+        count = self.num_schedulers
         for i, f in enumerate(self.failures.at if self.failures else []):
             if f.replica >= count:
                 raise InputError(f"replica {f.replica} does not exist: the deployment has {count} "

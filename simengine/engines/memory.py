@@ -42,11 +42,6 @@ class Deployment:
         return 1 if self.attention_dp else self.tp
 
     @property
-    def dp_ranks(self) -> int:
-        """Schedulers one tp x pp group runs: tp with attention DP (each rank its own), else 1."""
-        return self.tp if self.attention_dp else 1
-
-    @property
     def num_devices(self) -> int:
         """Devices of one replica (one scheduler and its KV cache)."""
         return self.attention_tp * self.pp

@@ -177,7 +177,7 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
         if name in names:
             raise InputError(f"two pools are named '{name}'; give each a distinct name", field=f"{at}.name")
         names.add(name)
-        count = d.replicas * dep.dp_ranks   # with attention DP each rank of a group schedules its own requests
+        count = d.num_schedulers
         pools.append(Pool(name, c.role, d, dep, e, first, count, at))
         first += count
     models = {p.dep.model.name for p in pools}
