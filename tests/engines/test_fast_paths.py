@@ -32,6 +32,7 @@ from simengine.errors import InputError
 from simengine.sim.runner import Runner
 from simengine.workload.config import RequestClass
 from simengine.workload.generator import RequestFactory
+from tests.conftest import make_scenario
 from tests.test_fuzz_invariants import build, kv_params, scenarios
 
 
@@ -152,6 +153,31 @@ def test_cohort_is_equal_under_priority_preemption_and_multi_turn_hits():
     eager = _run(agent, lazy=False)
     _assert_same(_run(agent, lazy=True), eager)
     assert eager.summary["prefix_cache_hit_rate"] > 0.5
+
+
+@pytest.mark.parametrize("decode", [e for e in COHORT if "decode" in ENGINES.get(e).disaggregation_roles])
+def test_cohort_is_equal_on_a_decode_pool(decode):
+    """A decode-role replica starts requests whose KV arrived from a prefill pool outside its own admission (they
+    join the cohort's running order then): the same figures with the cohort as without."""
+    pools = [{"role": "prefill", "replicas": 1, "engine": "vllm"},
+             {"role": "decode", "replicas": 1, "engine": decode}]
+    sc = make_scenario(seed=3, horizon_s=20.0, workload__arrival__rate=14.0, engines=[{"engine": "vllm",
+                                                                                       "pools": pools}])
+    sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=0))
+    cls = ENGINES.get(decode)
+    with mock.patch.object(cls, "lazy_decode", False):
+        eager = api.run_engine(sc, sc.engines[0], check_invariants=True)
+    carried = []
+    real_update = cls.update
+
+    def spy(self, out, now):
+        carried.append(out.num_lazy)
+        return real_update(self, out, now)
+
+    with mock.patch.object(cls, "update", spy):
+        lazy = api.run_engine(sc, sc.engines[0], check_invariants=True)
+    _assert_same(lazy, eager)
+    assert eager.summary["completed"] > 100 and sum(carried) > 1000   # the decode side's cohort carried decodes
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
