@@ -9,7 +9,8 @@ model's cost on record, and in the exact mode (`exact: true`, `exact_seconds_10k
 speed devices, to keep their gain on record); a bare SimPy loop of 1M timeouts as the machine reference.
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runs up to 10k requests are repeated
 (`--repeat`, default 3) and the fastest counts; the per-engine runs and the SimPy loop go in interleaved rounds (one
-run of each per round), so a busy spell slows all of them alike. Compare machines by the ratios.
+run of each per round), so a busy spell slows all of them alike; `per_engine_paired_ratio_to_vllm` is each engine's
+time over a vLLM run made just before it, the median of `--repeat` pairs. Compare machines by the ratios.
 `--profile N` instead profiles the vLLM run at N requests (cProfile) and writes the top entries by own time.
 Clusters: `cluster_seconds_100k_16r`, 100k requests on 16 replicas at 16 times the rate, and `cluster_cost_ratio`,
 its seconds per request over the single replica's 100k run (routing, load states and 16 engine loops).
@@ -27,6 +28,7 @@ import json
 import math
 import pstats
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -154,6 +156,17 @@ def best_interleaved(repeat: int, kinds: list[str], n: int, rate: float | None) 
     return best
 
 
+def paired_to_vllm(repeat: int, engines: list[str], n: int, rate: float | None) -> dict[str, float]:
+    """Each engine's time over that of a vLLM run made just before it, the median of `repeat` such pairs: a pair sees
+    the same minute of the shared machine, so its ratio is steadier than the ratio of two best-of runs."""
+    ratios: dict[str, list[float]] = {e: [] for e in engines if e != "vllm"}
+    for _ in range(repeat):
+        for e, found in ratios.items():
+            base = measure("vllm", n, rate)["seconds"]
+            found.append(measure(e, n, rate)["seconds"] / base)
+    return {"vllm": 1.0, **{e: round(statistics.median(found), 2) for e, found in ratios.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--child")
@@ -195,6 +208,7 @@ def main() -> None:
     runs = {n: first_runs["vllm"] if n == sizes[0] else best_of(args.repeat if n <= 10_000 else 1, "vllm", n, rate)
             for n in sizes}
     per_engine = {e: first_runs[e] for e in engines}
+    paired = paired_to_vllm(args.repeat, engines, sizes[0], rate)
     roofline = {e: first_runs[f"{e}:roofline"] for e in engines}
     exact = {e: first_runs[f"{e}!exact"] for e in engines}
     cluster = measure("vllm@16", 100_000, round(16 * rate, 3)) if 100_000 in runs else None
@@ -222,6 +236,8 @@ def main() -> None:
         "per_engine_seconds_10k": {e: round(r["seconds"], 3) for e, r in per_engine.items()},
         "per_engine_ratio_to_vllm": {e: round(r["seconds"] / per_engine["vllm"]["seconds"], 2)
                                      for e, r in per_engine.items()},
+        # each engine against a vLLM run just before it, median of the pairs (the steadier figure on a busy machine)
+        "per_engine_paired_ratio_to_vllm": paired,
         # process CPU seconds: less sensitive than wall time to other tenants of a shared virtual machine
         "cpu_seconds_10k": round(runs.get(10000, runs[first])["cpu_seconds"], 3),
         "per_engine_cpu_ratio_to_vllm": {e: round(r["cpu_seconds"] / per_engine["vllm"]["cpu_seconds"], 2)
@@ -251,7 +267,8 @@ def main() -> None:
               "sweep_seconds_200", "capacity_runs"):
         print(f"{k:34s} {result[k]!s:>12s}")
     for e, s in result["per_engine_seconds_10k"].items():
-        print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm; "
+        print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm, "
+              f"{result['per_engine_paired_ratio_to_vllm'][e]}x in pairs; "
               f"roofline {result['per_engine_roofline_seconds_10k'][e]} s; exact {result['exact_seconds_10k'][e]} s)")
     print(f"wrote {args.out}")
 
