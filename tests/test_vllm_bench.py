@@ -100,7 +100,7 @@ def test_peaks_follow_vllms_definitions(run):
 
 
 def test_recording_token_times_changes_no_result():
-    """Detailed requests stay out of vLLM's lazy decode cohort and take the exact path: the same numbers."""
+    """Recording every token's time (cohort members get theirs when they leave it) changes no figure."""
     base = dict(horizon_s=15.0, workload__arrival__rate=12.0, engines=["vllm", "static", "llamacpp"])
     none = compare(make_scenario(**base, output={"detailed_requests": 0}))
     every = compare(make_scenario(**base, output={"detailed_requests": 10_000}))

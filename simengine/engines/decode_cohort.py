@@ -21,10 +21,15 @@ blocks are published at release, KVCacheManager.defer_output_publish, or never, 
 or caching is off). A member that takes a block at step s takes one every block_size steps, so the step's takers are
 the members of phase s % block_size. Their blocks leave the pool on that step, in running order, but go to `spare` and
 reach the member's table when it leaves the cohort (block ids are labels: nothing can tell).
+
+Members that record every token's time (Request.token_times: the scenario's detailed requests) join like the
+others: while one is in, the cohort keeps each step's end, and a member gets the times of the steps it skipped when
+its counters are written.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 
 from simengine.core.batch import SchedulerOutput
@@ -54,6 +59,11 @@ class DecodeCohort:
         self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
         self.spare: list[int] = []         # blocks taken for counted members, not yet in their tables
         self.in_flight = 0                 # 1 between a step that carried the cohort and its update
+        # members that record every token's time (Request.token_times: the scenario's detailed requests) get the end
+        # of each step they skipped from step_ends, kept from step step_ends_from on while any such member is in
+        self.timed = 0
+        self.step_ends = array("d")
+        self.step_ends_from = 0
 
     # ---- the engine's calls ---------------------------------------------------------------------------
     def order(self, reqs: list[Request], *, fresh: bool) -> None:
@@ -79,6 +89,8 @@ class DecodeCohort:
         if out.num_lazy:
             prev = self.last_step_end_s
             itl[prev] = itl.get(prev, 0) + out.num_lazy
+        if self.timed:
+            self.step_ends.append(now)
         self.last_step_end_s = now
         self.steps_done += 1
         self.in_flight = 0
@@ -118,9 +130,11 @@ class DecodeCohort:
                 continue  # finished since
             out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
             if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
-                    and out_tokens + 1 < req.output_len and not req.structured and req.token_times is None):
+                    and out_tokens + 1 < req.output_len and not req.structured):
                 cohort[req.request_id] = (req, 1)
                 joined[req.request_id] = step
+                if req.token_times is not None:
+                    self._time(step)
                 self.context += req.prompt_len + out_tokens - step
                 kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
                 last_in = req.output_len - 1 - out_tokens  # steps to its last token
@@ -196,6 +210,8 @@ class DecodeCohort:
         self.joined.clear()
         self.events.clear()
         self.context = 0
+        self.timed = 0
+        del self.step_ends[:]
         self.phase_of.clear()
         for members in self.phase_members:
             members.clear()
@@ -221,12 +237,16 @@ class DecodeCohort:
                 req.num_computed_tokens += steps
                 req.num_output_tokens += steps
                 req.last_token_s = prev
+                if req.token_times is not None:
+                    self._add_times(req, joined[rid])
             if req.num_output_tokens + 1 < req.output_len:
                 joined[rid] = step
                 due.append((order, req, 1))
                 continue
             del joined[rid]
             del self.members[rid]
+            if req.token_times is not None:
+                self.timed -= 1
             self.context -= req.prompt_len + req.num_output_tokens - step
             phase = self.phase_of.pop(rid, None)
             if phase is not None:
@@ -245,8 +265,22 @@ class DecodeCohort:
             req.num_computed_tokens += steps
             req.num_output_tokens += steps
             req.last_token_s = self.last_step_end_s
+            if req.token_times is not None:
+                self._add_times(req, self.joined[req.request_id])
         if req.request_id in self.phase_of:
             self._claim(req)
+
+    def _time(self, step: int) -> None:
+        """A member recording its token times joined at `step`: keep every step's end from there on."""
+        if not self.timed:
+            self.step_ends_from = step
+            del self.step_ends[:]
+        self.timed += 1
+
+    def _add_times(self, req: Request, since: int) -> None:
+        """The token times of the steps a timed member skipped since step `since` (its counters already moved)."""
+        base = self.step_ends_from
+        req.token_times.extend(self.step_ends[since - base:self.steps_done - base])  # type: ignore[union-attr]
 
     def _claim(self, req: Request) -> None:
         """A counted member's blocks taken since it joined (or last claimed), from `spare` into its table; its

@@ -9,7 +9,7 @@
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
   on the paged KV manager runs random scenarios with the fresh draws marked private and not.
-The request rows, the step rows and the inter-token gaps must be equal.
+The request rows, the step rows, the inter-token gaps and the detailed requests' token times must be equal.
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
 COHORT = sorted(n for n in ENGINES.names() if ENGINES.get(n).lazy_decode)
 
 
-def _run(sc, lazy: bool) -> api.EngineResult:
+def _run(sc, lazy: bool, detailed: int = 0) -> api.EngineResult:
     """The scenario's engine with its cohort (and vLLM's deferred output publishing, which the cohort counts on) on
-    or off."""
-    # no detailed requests: their token times are recorded on the exact path, outside the cohort
-    sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=0))
+    or off; the first `detailed` requests record every token's time (members of the cohort too)."""
+    sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=detailed))
     cls = ENGINES.get(sc.engines[0].engine)
     defer = "defer_output_publish" in vars(cls)
     with mock.patch.object(cls, "lazy_decode", lazy), \
@@ -103,11 +102,12 @@ def test_cohort_changes_no_result(engine, data):
     entry = sc.engines[0]
     params = {**entry.params, **data.draw(COHORT_KNOBS[engine])}
     sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)])
+    detailed = data.draw(st.sampled_from([0, 3, 1000]))
     try:
-        eager = _run(sc, lazy=False)
+        eager = _run(sc, lazy=False, detailed=detailed)
     except InputError:
         return
-    _assert_same(_run(sc, lazy=True), eager)
+    _assert_same(_run(sc, lazy=True, detailed=detailed), eager)
 
 
 # a KV pool small enough that some steps preempt (the cohort falls back to the exact loop)
@@ -118,7 +118,8 @@ BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_g
 @pytest.mark.parametrize("engine", COHORT)
 def test_cohort_is_used_and_equal_on_a_busy_run(engine):
     """A loaded replica (hundreds of concurrent decodes, KV near full so some steps fall back) gives the same
-    figures with the cohort as without, and the cohort really carries most decodes."""
+    figures with the cohort as without, token times of the first half included, and the cohort really carries most
+    decodes."""
     sc = _busy(engine, 600, BUSY_KV[engine])
     lazy_steps = []
     cls = ENGINES.get(engine)
@@ -128,10 +129,11 @@ def test_cohort_is_used_and_equal_on_a_busy_run(engine):
         lazy_steps.append((out.num_lazy, out.shape.num_decode))
         return real_update(self, out, now)
 
-    eager = _run(sc, lazy=False)
+    eager = _run(sc, lazy=False, detailed=300)
     with mock.patch.object(cls, "update", spy):
-        lazy = _run(sc, lazy=True)
+        lazy = _run(sc, lazy=True, detailed=300)
     _assert_same(lazy, eager)
+    assert len(lazy.recorder.token_times) == 300
     # the fallback to the exact loop ran too (TensorRT-LLM's GUARANTEED_NO_EVICT never preempts: admission waits)
     assert lazy.summary["preemptions"] > 0 or engine == "trtllm"
     carried = sum(k for k, _ in lazy_steps) / sum(d for _, d in lazy_steps)
@@ -163,7 +165,7 @@ def test_cohort_is_equal_on_a_decode_pool(decode):
              {"role": "decode", "replicas": 1, "engine": decode}]
     sc = make_scenario(seed=3, horizon_s=20.0, workload__arrival__rate=14.0, engines=[{"engine": "vllm",
                                                                                        "pools": pools}])
-    sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=0))
+    sc = dataclasses.replace(sc, output=OutputConfig(detailed_requests=50))
     cls = ENGINES.get(decode)
     with mock.patch.object(cls, "lazy_decode", False):
         eager = api.run_engine(sc, sc.engines[0], check_invariants=True)
@@ -181,13 +183,14 @@ def test_cohort_is_equal_on_a_decode_pool(decode):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(draw=scenarios())
-def test_exact_mode_gives_the_same_results_for_every_engine(draw):
+@given(draw=scenarios(), detailed=st.sampled_from([0, 3, 1000]))
+def test_exact_mode_gives_the_same_results_for_every_engine(draw, detailed):
     """Scenario.exact runs the reference path alone (no cohort, no deferred publishing, no repeats, no private
     tokens): on random scenarios of every engine the request rows, step rows and gaps equal the default run's."""
     engine, data, kv_tokens, caps = draw
     try:
-        sc = dataclasses.replace(build(engine, data, kv_tokens, caps), output=OutputConfig(detailed_requests=0))
+        sc = dataclasses.replace(build(engine, data, kv_tokens, caps),
+                                 output=OutputConfig(detailed_requests=detailed))
         fast = api.run_engine(sc, sc.engines[0])
     except InputError:
         return
@@ -209,6 +212,7 @@ def _assert_same(a: api.EngineResult, b: api.EngineResult) -> None:
     pd.testing.assert_frame_equal(a.requests, b.requests)
     pd.testing.assert_frame_equal(a.steps, b.steps)
     assert _gaps(a) == _gaps(b)
+    assert a.recorder.token_times == b.recorder.token_times
 
 
 # engines that prove repeated steps (override EnginePolicy.repeat_steps), from the registry
