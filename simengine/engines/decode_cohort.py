@@ -16,6 +16,12 @@ of the budget (Sarathi-Serve's stall-free batching), calls `schedule_decodes` in
 (one token each) and hands the running prefills back, in running order, for the engine's own chunking. Their blocks
 must already be held (allocated or reserved at admission), so the block check covers the decodes alone.
 
+An engine whose decode step gives every running request one token and whose prefill steps pause the decodes
+(SGLang's prefill-first loop over a token pool) calls `schedule_lockstep` on its decode steps and leaves its prefill
+steps alone: the cohort's clock counts the steps that carried it, and a member's previous token came at the end of the
+last one. The engine checks its pool itself (kv is None), says which decodes may join (`steady`) and writes a member's
+holdings when its counters are written (`settle`).
+
 Counted members: those whose only KV event is taking a block when their tokens fill the last one (their own outputs'
 blocks are published at release, KVCacheManager.defer_output_publish, or never, being private, Request.private_from;
 or caching is off). A member that takes a block at step s takes one every block_size steps, so the step's takers are
@@ -42,12 +48,17 @@ Ordered = tuple[int, Request]   # (running-order number, request)
 class DecodeCohort:
     """The lazily advanced steady decodes of one engine, and the running order of the others."""
 
-    def __init__(self, kv: KVCacheManager, token_limit: int, chunk: Callable[[Request, int], int] | None = None):
-        self.kv = kv
+    def __init__(self, kv: KVCacheManager | None, token_limit: int, chunk: Callable[[Request, int], int] | None = None,
+                 *, steady: Callable[[Request], bool] | None = None, settle: Callable[[Request], None] | None = None):
+        self.kv = kv        # None: the engine's own token pool, which the engine checks (schedule_lockstep)
         self.token_limit = token_limit
         self.chunk = chunk  # tokens the engine gives a running request with n left, budget aside (None: all n)
-        self.steps_done = 0                # engine updates applied: the cohort's clock
-        self.last_step_end_s = -1.0
+        self.steady = steady  # the engine's own condition on a steady decode joining (None: none)
+        self.settle = settle  # writes a member's KV holdings once its counters are current (token pool engines)
+        self.steps_done = 0                # steps the cohort took part in (it carried every member): its clock
+        self.last_step_end_s = -1.0        # the end of the last such step: every member's last token came then
+        self.consulted = False             # this step's schedule went through the cohort
+        self.remaining = 0                 # sum of (max_tokens - outputs + steps_done) at joining (max_tokens_left)
         self.members: dict[int, tuple[Request, int]] = {}  # request_id -> (req, 1)
         self.joined: dict[int, int] = {}   # request_id -> the step a member joined at (or was last brought up to date)
         self.context = 0                   # sum of (prompt + outputs - steps_done) at joining; context = this + n*steps
@@ -55,7 +66,7 @@ class DecodeCohort:
         # then (a calendar: every step's list is taken whole)
         self.others: list[Ordered] = []    # running requests outside the cohort
         self.num_ordered = 0               # running-order numbers handed out
-        self.phase_members: list[list[Ordered]] = [[] for _ in range(kv.block_size)]
+        self.phase_members: list[list[Ordered]] = [[] for _ in range(kv.block_size if kv is not None else 0)]
         self.phase_of: dict[int, int] = {}  # request_id -> phase, for counted members
         self.spare: list[int] = []         # blocks taken for counted members, not yet in their tables
         self.in_flight = 0                 # 1 between a step that carried the cohort and its update
@@ -83,16 +94,24 @@ class DecodeCohort:
         """Context tokens the step's `num_lazy` members read."""
         return self.context + num_lazy * self.steps_done
 
+    def max_tokens_left(self) -> int:
+        """The members' outputs still allowed (max_tokens - outputs), summed."""
+        return self.remaining - len(self.members) * self.steps_done
+
     def stepped(self, out: SchedulerOutput, itl: dict[float, int], now: float) -> None:
-        """The engine applied `out` at `now`: the clock moves, and every member's token joins the step's gaps (each
-        member's previous token came at the end of the step before)."""
-        if out.num_lazy:
-            prev = self.last_step_end_s
-            itl[prev] = itl.get(prev, 0) + out.num_lazy
-        if self.timed:
-            self.step_ends.append(now)
-        self.last_step_end_s = now
-        self.steps_done += 1
+        """The engine applied `out` at `now`. A step scheduled through the cohort moves its clock, and every member's
+        token joins the step's gaps (each member's previous token came at the end of the last such step). An engine
+        whose members sit out some steps (SGLang's prefill steps) schedules those without the cohort: its clock
+        stays."""
+        if self.consulted:
+            if out.num_lazy:
+                prev = self.last_step_end_s
+                itl[prev] = itl.get(prev, 0) + out.num_lazy
+            if self.timed:
+                self.step_ends.append(now)
+            self.steps_done += 1
+            self.last_step_end_s = now
+            self.consulted = False
         self.in_flight = 0
 
     def sync(self) -> None:
@@ -115,39 +134,68 @@ class DecodeCohort:
         prefills: list[Request] = []
         return prefills if self._schedule(out, prefills) is not None else None
 
-    def _schedule(self, out: SchedulerOutput, prefills: list[Request] | None) -> int | None:
-        """`schedule_running`; with a `prefills` list, running requests that are not decodes go there unscheduled."""
+    def schedule_lockstep(self, out: SchedulerOutput) -> None:
+        """A decode step of an engine that gives every running request one token, with no budget that could bind, and
+        has checked its own pool holds them (SGLang's): members advance lazily, the others are listed one token each
+        in running order (members due their last token among them)."""
+        others = self._join()
+        self._take_due(self.steps_done, others)
+        self.others = others
+        out.scheduled = [*self.members.values(), *[(req, 1) for _, req in others]]
+        out.num_lazy = len(self.members)
+        self.in_flight = 1 if self.members else 0
+
+    def _join(self) -> list[Ordered]:
+        """Steady decodes among the others join the cohort (each with its first event in the calendar); returns the
+        running others left, in running order."""
         self.in_flight = 0
+        self.consulted = True
         step, cohort, events, joined = self.steps_done, self.members, self.events, self.joined
         others, prev = [], self.last_step_end_s
-        kv = self.kv
-        bs = kv.block_size
+        kv, steady = self.kv, self.steady
+        bs = kv.block_size if kv is not None else 0
         phase_members, phase_of = self.phase_members, self.phase_of
-        uncached, defer = not kv.enable_prefix_caching, kv.defer_output_publish
+        uncached = kv is None or not kv.enable_prefix_caching
+        defer = kv is not None and kv.defer_output_publish
         for entry in self.others:
             req = entry[1]
             if req.status is not Status.RUNNING:
                 continue  # finished since
             out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
             if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
-                    and out_tokens + 1 < req.output_len and not req.structured):
+                    and out_tokens + 1 < req.output_len and not req.structured
+                    and (steady is None or steady(req))):
                 cohort[req.request_id] = (req, 1)
                 joined[req.request_id] = step
                 if req.token_times is not None:
                     self._time(step)
                 self.context += req.prompt_len + out_tokens - step
-                kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
+                self.remaining += req.max_tokens - out_tokens + step
                 last_in = req.output_len - 1 - out_tokens  # steps to its last token
-                if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs or req.private_from <= computed):
-                    phase = (step + kv_in) % bs  # counted: its blocks fill at steps step + kv_in + k * bs
-                    phase_members[phase].append(entry)
-                    phase_of[req.request_id] = phase
+                if kv is None:  # its one event: last token due
                     when = step + last_in
-                else:  # its first event: blocks change, or last token due
-                    when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
+                else:
+                    kv_in = req.kv_settled_tokens - computed  # tokens its blocks take before it needs another
+                    if 0 <= kv_in < bs and (uncached or defer and req.unique_outputs or req.private_from <= computed):
+                        phase = (step + kv_in) % bs  # counted: its blocks fill at steps step + kv_in + k * bs
+                        phase_members[phase].append(entry)
+                        phase_of[req.request_id] = phase
+                        when = step + last_in
+                    else:  # its first event: blocks change, or last token due
+                        when = step + (kv_in if kv_in < last_in else last_in) if kv_in > 0 else step
                 events.setdefault(when, []).append(entry)
                 continue
             others.append(entry)
+        return others
+
+    def _schedule(self, out: SchedulerOutput, prefills: list[Request] | None) -> int | None:
+        """`schedule_running`; with a `prefills` list, running requests that are not decodes go there unscheduled."""
+        others = self._join()
+        step, cohort, events = self.steps_done, self.members, self.events
+        kv = self.kv
+        assert kv is not None, "schedule_running and schedule_decodes check blocks: the cohort needs the KV manager"
+        bs = kv.block_size
+        phase_members = self.phase_members
         due = self._take_due(step, others)
         self.others = others
         # the step fits (no cap binds, no allocation fails) when every request's tokens and new blocks do
@@ -210,6 +258,7 @@ class DecodeCohort:
         self.joined.clear()
         self.events.clear()
         self.context = 0
+        self.remaining = 0
         self.timed = 0
         del self.step_ends[:]
         self.phase_of.clear()
@@ -248,10 +297,13 @@ class DecodeCohort:
             if req.token_times is not None:
                 self.timed -= 1
             self.context -= req.prompt_len + req.num_output_tokens - step
+            self.remaining -= req.max_tokens - req.num_output_tokens + step
             phase = self.phase_of.pop(rid, None)
             if phase is not None:
                 self.phase_members[phase].remove((order, req))
                 self._claim(req)
+            elif self.settle is not None:
+                self.settle(req)
             others.append((order, req))
             leavers = True
         if leavers:
@@ -259,7 +311,8 @@ class DecodeCohort:
         return due
 
     def _materialise(self, req: Request) -> None:
-        """Write a member's counters as of now, and put a counted member's blocks in its table."""
+        """Write a member's counters as of now, and put a counted member's blocks in its table (or let the engine
+        settle its holdings)."""
         steps = self.steps_done - self.joined[req.request_id]
         if steps:
             req.num_computed_tokens += steps
@@ -269,6 +322,8 @@ class DecodeCohort:
                 self._add_times(req, self.joined[req.request_id])
         if req.request_id in self.phase_of:
             self._claim(req)
+        elif self.settle is not None:
+            self.settle(req)
 
     def _time(self, step: int) -> None:
         """A member recording its token times joined at `step`: keep every step's end from there on."""
@@ -286,6 +341,7 @@ class DecodeCohort:
         """A counted member's blocks taken since it joined (or last claimed), from `spare` into its table; its
         counters are current (and with a step in flight, its blocks also hold the token that step computes)."""
         kv = self.kv
+        assert kv is not None   # counted members are paged
         k = kv.blocks_for(req.num_computed_tokens + self.in_flight) - kv.num_blocks_of(req)
         if k:
             spare = self.spare
@@ -303,12 +359,15 @@ class DecodeCohort:
         assert not self.spare, "blocks taken for counted members and in no table"
         counted = sorted(r.request_id for m in self.phase_members for _, r in m)
         assert counted == sorted(self.phase_of), "phase lists and phase_of disagree"
-        bs = self.kv.block_size
         for phase, m in enumerate(self.phase_members):
             for _, r in m:
-                assert r.kv_settled_tokens == self.kv.num_blocks_of(r) * bs, "a counted member with an event"
+                assert self.kv is not None
+                assert r.kv_settled_tokens == self.kv.num_blocks_of(r) * self.kv.block_size, \
+                    "a counted member with an event"
+                bs = self.kv.block_size
                 assert (self.steps_done + r.kv_settled_tokens - r.num_computed_tokens) % bs == phase, "phase drift"
         assert all(step >= self.steps_done for step in self.events), "a member stayed past its event"
         assert all(r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens < r.output_len
                    for r in members), "a member that is not a steady decode"
         assert self.context + len(members) * self.steps_done == sum(r.num_tokens for r in members)
+        assert self.max_tokens_left() == sum(r.max_tokens - r.num_output_tokens for r in members)

@@ -7,6 +7,9 @@ min(max_new, 4096)) covers the prompt and its own growth; at most one chunked re
 from 0.7 to 0.098 over 600 decode steps and jumps back after a retraction; a decode that does not fit retracts
 the request with the fewest outputs (tie: longest prompt), which recomputes later. Token-granular radix cache:
 prompts are inserted as prefill progresses, whole sequences at finish; LRU eviction of unlocked leaves.
+Speed device (docs/performance.md): steady decodes advance in a DecodeCohort on decode steps (`schedule_lockstep`)
+unless speculation, mixed chunks, adapters, the host tier or pipeline stages are on; a decode step that must retract
+dissolves it first.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import dataclasses
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
+from simengine.engines.base import ENGINES, RadixCacheViews, StepResult
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.engines.sglang_config import (
     SglangParams,
@@ -27,7 +31,8 @@ from simengine.engines.sglang_config import (
     sglang_mem_fraction_static,
     sglang_speculation,
 )
-from simengine.engines.sglang_policy import AddResult, PrefillAdder, order_waiting, reserve_tokens, reserved_tokens
+from simengine.engines.sglang_disagg import SglangDecodeSide
+from simengine.engines.sglang_policy import CLIP_MAX_NEW_TOKENS, AddResult, PrefillAdder, order_waiting, reserved_tokens
 from simengine.engines.speculative import Speculation
 from simengine.kvcache.radix import RadixCache, RadixHold, radix_tokens
 
@@ -35,13 +40,12 @@ INIT_NEW_TOKEN_RATIO = 0.7          # environ.py SGLANG_INIT_NEW_TOKEN_RATIO (x 
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14   # environ.py SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY_STEPS = 600   # environ.py SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20           # environ.py SGLANG_RETRACT_DECODE_STEPS
-NUM_RESERVED_DECODE_TOKENS = 512    # server_args.py num_reserved_decode_tokens: a P/D decode server keeps this many
-                                    # tokens per active request free for their decoding (disaggregation/decode.py)
 
 
 @ENGINES.register("sglang")
-class SglangEngine(RadixCacheViews, EnginePolicy):
+class SglangEngine(RadixCacheViews, SglangDecodeSide):
     Params = SglangParams
+    lazy_decode = True  # speed device (module docstring)
     vendors = frozenset({"nvidia", "amd", "huawei"})
     kernel_backend = "sglang"  # SGLang's own kernels (aiconfigurator-core's sglang tables)
     support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
@@ -103,6 +107,19 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         # next schedule merges into running); those with slots and KV on its way (DecodeTransferQueue): self.loading
         self.prealloc: list[Request] = []
         self.prebuilt: list[Request] = []
+        lazy = (self.lazy_decode and dep.pp == 1 and self.speculation is None and not p.enable_mixed_chunk
+                and self.adapters is None and self.host is None)
+        # members: their reserved growth (max_tokens - outputs) is under the clip, so the adder's sum over them is
+        # the cohort's closed form; their private slots are their computed tokens outside the tree
+        self.cohort = DecodeCohort(None, 0, steady=lambda r: r.max_tokens - r.num_output_tokens <= CLIP_MAX_NEW_TOKENS,
+                                   settle=self._settle) if lazy else None
+
+    def _settle(self, req: Request) -> None:
+        """A cohort member's private slots, its counters written: its computed tokens (and the slot of a step in
+        flight) beyond those the tree holds for it."""
+        assert self.cohort is not None
+        hold = self.holds[req.request_id]
+        hold.private = req.num_computed_tokens + self.cohort.in_flight - hold.cached
 
     @classmethod
     def speculation_of(cls, params: SglangParams, dep: Deployment) -> Speculation | None:
@@ -201,11 +218,14 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             self._merge_prebuilt(now)
         if not self.running and self.chunked is None:
             self.batch_is_full = False     # update_running_batch resets it once the batch is empty
+        num_running, exact = len(self.running), False
         if not self._schedule_prefill(out, now):
-            self._schedule_decode(out)
+            exact = self._schedule_decode(out)
             if not out.scheduled:          # everything was retracted: prefill what is left
                 self._schedule_prefill(out, now)
-        out.shape = self.make_shape(out.scheduled)
+        if self.cohort is not None:   # the admitted join the cohort's running order (all of it after a retraction)
+            self.cohort.order(self.running if exact else self.running[num_running:], fresh=exact)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         if self.adapters is not None:
             self.adapters.shape_step(out.scheduled, out.shape)
         if self.onboarded:
@@ -224,7 +244,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         cps = self.chunked_prefill_size
         adder = PrefillAdder(self.cache, self.host, self.holds, p.max_prefill_tokens - len(mixed),
                              cps - len(mixed) if cps > 0 else None,
-                             reserved_tokens(self.running) * self.new_token_ratio + len(mixed))
+                             self._reserved_decode_tokens() * self.new_token_ratio + len(mixed))
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
         # max_loras_per_batch: a request whose adapter would be one too many is skipped (_can_schedule_lora_req)
@@ -244,6 +264,13 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             return False
         self._commit_admissions(adder, mixed, out, now)
         return True
+
+    def _reserved_decode_tokens(self) -> int:
+        """The running batch's decode growth the adder reserves (`reserve_tokens` summed): the cohort's members, all
+        under the clip, from its sum."""
+        if self.cohort is None or not self.cohort.members:
+            return reserved_tokens(self.running)
+        return reserved_tokens(self.running_outside_cohort()) + self.cohort.max_tokens_left()
 
     def _order_waiting(self) -> None:
         key = self._priority_key if self.params.enable_priority_scheduling else None
@@ -292,14 +319,27 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
                 cache.grow(self.holds[r.request_id], 1)
                 out.scheduled.append((r, 1))
 
-    def _schedule_decode(self, out: SchedulerOutput) -> None:
+    def _schedule_decode(self, out: SchedulerOutput) -> bool:
+        """One decode token for every running request (and its drafts), retracting until they fit. Returns whether
+        the decode cohort was dissolved (a retraction reads every request's progress)."""
         if not self.running:
-            return
+            return False
         drafts = self.speculation.num_tokens if self.speculation is not None else 0  # slots per decode: 1 + drafts
+        cohort = self.cohort
         if self.cache.available() < len(self.running) * (1 + drafts):
+            if cohort is not None:
+                cohort.dissolve()
             self._retract(out, 1 + drafts)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+            if cohort is not None:   # members take their slots in the one allocation and settle them when they leave
+                if not self.cache.alloc(len(self.running)):
+                    raise RuntimeError("sglang decode allocation failed although the pool held it")
+                cohort.schedule_lockstep(out)
+                holds = self.holds
+                for req, _ in out.scheduled[out.num_lazy:]:
+                    holds[req.request_id].private += 1
+                return False
         batch = len(self.running)
         sizes = [1 + self.drafts(req, batch) for req in self.running] if drafts else [1] * batch
         # the slots taken at once (evictions follow the LRU order whatever the grouping)
@@ -309,6 +349,7 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         for req, n in zip(self.running, sizes):
             holds[req.request_id].private += n
         out.scheduled += zip(self.running, sizes)
+        return cohort is not None
 
     def _retract(self, out: SchedulerOutput, slots: int = 1) -> None:
         """retract_decode: drop the fewest-output requests (tie: longest prompt) until one decode step fits (`slots`
@@ -330,54 +371,6 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
             self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1))
         self.batch_is_full = False
 
-    # ---- P/D disaggregation, decode side ------------------------------------------------------------
-    def _preallocate(self, out: SchedulerOutput) -> None:
-        """DecodePreallocQueue.pop_preallocated, first come first served: slots for a request's whole prompt when the
-        pool, less NUM_RESERVED_DECODE_TOKENS for every active request, holds them and its own reservation, and the
-        request could finish with every running request retracted; the KV then loads into them."""
-        active = len(self.running) + len(self.loading) + len(self.prebuilt)
-        retractable = sum(r.prompt_len + r.num_output_tokens for r in self.running)
-        taken = 0
-        for req in self.prealloc:
-            if active >= self.max_running_requests:   # req_to_token_pool slots
-                break
-            allocatable = self.cache.available() - NUM_RESERVED_DECODE_TOKENS * active
-            need = req.prompt_len + NUM_RESERVED_DECODE_TOKENS
-            if max(need, req.prompt_len + reserve_tokens(req) - retractable) > allocatable:
-                break
-            hold = self.cache.acquire(req.token_ids, 0)
-            if not self.cache.grow(hold, req.prompt_len):
-                self.cache.release(hold)
-                break
-            self.holds[req.request_id] = hold
-            self.reserved_for_remote(req, req.prompt_len, out)
-            active += 1
-            taken += 1
-        del self.prealloc[:taken]
-
-    def remote_kv_arrived(self, req: Request, now: float) -> None:
-        """DecodeTransferQueue: the KV is in place; the prefill side's first token came with it. A request of one
-        token is done; the others join the next prebuilt batch."""
-        del self.loading[req.request_id]
-        if self.take_remote_first_token(req, now):
-            self.release(req)
-            return
-        self.prebuilt.append(req)
-
-    def _merge_prebuilt(self, now: float) -> None:
-        """get_new_prebuilt_batch + process_prebuilt: as many as the running batch has room for, no forward; their
-        first token goes out and they join the running batch, decoding from their second token."""
-        room = self.max_running_requests - len(self.running) - (self.chunked is not None)
-        if room <= 0:
-            return
-        for req in self.prebuilt[:room]:
-            req.first_token_s = req.last_token_s = now   # goes out with this batch (no forward)
-            if req.token_times is not None:
-                req.token_times[-1] = now
-            self.mark_scheduled(req, now)
-            self.running.append(req)
-        del self.prebuilt[:room]
-
     def _retract_one(self, req: Request, out: SchedulerOutput) -> None:
         self.cache.release(self.holds.pop(req.request_id))   # its inserted prompt stays in the tree, now evictable
         req.num_computed_tokens = 0
@@ -388,6 +381,11 @@ class SglangEngine(RadixCacheViews, EnginePolicy):
         self._enqueue(req)
 
     def check_invariants(self) -> None:
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(self.running)
+            assert all(self.holds[r.request_id].cached + self.holds[r.request_id].private == r.num_computed_tokens
+                       for r in self.running), "a running request's slots are not its computed tokens"
         self.cache.check_invariants()
         if self.host is not None:
             self.host.tier.check_invariants()

@@ -1,10 +1,11 @@
 """The simulator's speed devices change no result: with each on or off, every run gives identical figures.
 
-* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve and TensorRT-LLM, taken from the
+* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve, TensorRT-LLM and SGLang, taken from the
   registry): random scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM
   long_prefill_token_threshold, priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size,
   block size and watermark; for TensorRT-LLM the capacity policy, chunked prefill, overlap, block reuse and block
-  size) run with the cohort off (every request walked every step) and on.
+  size; for SGLang the schedule policy, page size, radix cache off, chunk size, conservativeness, priority and
+  overlap) run with the cohort off (every request walked every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
@@ -83,6 +84,12 @@ COHORT_KNOBS = {
         "capacity_scheduler_policy": st.sampled_from(["GUARANTEED_NO_EVICT", "GUARANTEED_NO_EVICT", "STATIC_BATCH"]),
         "enable_chunked_prefill": st.booleans(), "disable_overlap_scheduler": st.booleans(),
         "enable_block_reuse": st.booleans(), "tokens_per_block": st.sampled_from([32, 32, 8, 64])}),
+    "sglang": st.fixed_dictionaries({
+        "schedule_policy": st.sampled_from(["fcfs", "fcfs", "lpm", "dfs-weight", "lof"]),
+        "page_size": st.sampled_from([1, 1, 16]), "disable_radix_cache": st.sampled_from([False, False, True]),
+        "chunked_prefill_size": st.sampled_from([None, 64, -1]),
+        "schedule_conservativeness": st.sampled_from([1.0, 0.3]),
+        "enable_priority_scheduling": st.booleans(), "disable_overlap_schedule": st.booleans()}),
 }
 
 
@@ -110,9 +117,11 @@ def test_cohort_changes_no_result(engine, data):
     _assert_same(_run(sc, lazy=True, detailed=detailed), eager)
 
 
-# a KV pool small enough that some steps preempt (the cohort falls back to the exact loop)
+# a KV pool small enough that some steps preempt (the cohort falls back to the exact loop); SGLang's admission
+# reserves decode growth, so it over-commits (and retracts) only when told to be less conservative
 BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16},
-           "trtllm": {"kv_cache_max_tokens": 40000}}
+           "trtllm": {"kv_cache_max_tokens": 40000},
+           "sglang": {"max_total_tokens": 40000, "schedule_conservativeness": 0.1}}
 
 
 @pytest.mark.parametrize("engine", COHORT)
