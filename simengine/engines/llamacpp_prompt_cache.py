@@ -23,6 +23,7 @@ class PromptRamCache:
         self.limit_tokens = limit_tokens
         self.entries: list[np.ndarray] = []
         self.heads: list[int] = []  # each entry's first token: only an entry sharing it can share a prefix
+        self.num_tokens = 0         # tokens in all entries
         self.restored_tokens = 0
 
     def save(self, tokens: np.ndarray) -> None:
@@ -40,8 +41,10 @@ class PromptRamCache:
                     keep.append(e)
             self.entries = keep
             self.heads = [int(e[0]) for e in keep]
+            self.num_tokens = sum(len(e) for e in keep)
         self.entries.append(tokens)
         self.heads.append(head)
+        self.num_tokens += len(tokens)
 
     def best(self, cached: np.ndarray, prompt: np.ndarray) -> int | None:
         """load(): the entry beating a slot's `cached` tokens on both kept fraction and similarity to `prompt`
@@ -62,16 +65,17 @@ class PromptRamCache:
         entry = self.entries.pop(i)
         del self.heads[i]
         self.restored_tokens += len(entry)
+        self.num_tokens -= len(entry)
         return entry
 
     def evict(self) -> None:
         """update(): drop the oldest entries beyond the limit, always keeping one."""
-        total = sum(len(e) for e in self.entries)
-        while len(self.entries) > 1 and total > self.limit_tokens:
-            total -= len(self.entries.pop(0))
+        while len(self.entries) > 1 and self.num_tokens > self.limit_tokens:
+            self.num_tokens -= len(self.entries.pop(0))
             self.heads.pop(0)
 
     def check_invariants(self) -> None:
         assert self.heads == [int(e[0]) for e in self.entries], "RAM cache heads out of step"
+        assert self.num_tokens == sum(len(e) for e in self.entries), "RAM cache token count out of step"
         if len(self.entries) > 1:
             assert sum(len(e) for e in self.entries) <= self.limit_tokens, "RAM prompt cache over --cache-ram"
