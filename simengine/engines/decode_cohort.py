@@ -16,11 +16,13 @@ of the budget (Sarathi-Serve's stall-free batching), calls `schedule_decodes` in
 (one token each) and hands the running prefills back, in running order, for the engine's own chunking. Their blocks
 must already be held (allocated or reserved at admission), so the block check covers the decodes alone.
 
-An engine whose decode step gives every running request one token and whose prefill steps pause the decodes
-(SGLang's prefill-first loop over a token pool) calls `schedule_lockstep` on its decode steps and leaves its prefill
-steps alone: the cohort's clock counts the steps that carried it, and a member's previous token came at the end of the
-last one. The engine checks its pool itself (kv is None), says which decodes may join (`steady`) and writes a member's
-holdings when its counters are written (`settle`).
+An engine whose every running decode takes one token a step, with no budget that could bind, and which checks its own
+KV (kv is None: SGLang's token pool, TGI's and Orca's reservations made at admission) calls `schedule_lockstep` on the
+steps that run its decodes and gives the others it returns their tokens; steps that pause the decodes (SGLang's
+prefills, TGI's new batch prefilled alone) leave the cohort alone. The cohort's clock counts the steps that went
+through it, and a member's previous token came at the end of the last one. Such an engine may say which decodes may
+join (`steady`), write a member's KV holdings when its counters are written (`settle`) and stop a request before its
+end (`stop`: TGI's 1,024-token visits).
 
 Counted members: those whose only KV event is taking a block when their tokens fill the last one (their own outputs'
 blocks are published at release, KVCacheManager.defer_output_publish, or never, being private, Request.private_from;
@@ -49,12 +51,14 @@ class DecodeCohort:
     """The lazily advanced steady decodes of one engine, and the running order of the others."""
 
     def __init__(self, kv: KVCacheManager | None, token_limit: int, chunk: Callable[[Request, int], int] | None = None,
-                 *, steady: Callable[[Request], bool] | None = None, settle: Callable[[Request], None] | None = None):
+                 *, steady: Callable[[Request], bool] | None = None, settle: Callable[[Request], None] | None = None,
+                 stop: Callable[[Request], int] | None = None):
         self.kv = kv        # None: the engine's own token pool, which the engine checks (schedule_lockstep)
         self.token_limit = token_limit
         self.chunk = chunk  # tokens the engine gives a running request with n left, budget aside (None: all n)
         self.steady = steady  # the engine's own condition on a steady decode joining (None: none)
         self.settle = settle  # writes a member's KV holdings once its counters are current (token pool engines)
+        self.stop = stop      # outputs at which the engine's loop stops a request before its end (TGI's visits)
         self.steps_done = 0                # steps the cohort took part in (it carried every member): its clock
         self.last_step_end_s = -1.0        # the end of the last such step: every member's last token came then
         self.consulted = False             # this step's schedule went through the cohort
@@ -134,16 +138,18 @@ class DecodeCohort:
         prefills: list[Request] = []
         return prefills if self._schedule(out, prefills) is not None else None
 
-    def schedule_lockstep(self, out: SchedulerOutput) -> None:
-        """A decode step of an engine that gives every running request one token, with no budget that could bind, and
-        has checked its own pool holds them (SGLang's): members advance lazily, the others are listed one token each
-        in running order (members due their last token among them)."""
+    def schedule_lockstep(self, out: SchedulerOutput) -> list[Request]:
+        """A step of an engine whose every running decode takes one token, with no budget that could bind, and whose
+        KV the engine has checked itself (SGLang's decode step, TGI's running batch): the members go into `out`,
+        advanced lazily. Returns the others in running order (members due their last token among them) for the
+        engine to give their tokens."""
         others = self._join()
         self._take_due(self.steps_done, others)
         self.others = others
-        out.scheduled = [*self.members.values(), *[(req, 1) for _, req in others]]
+        out.scheduled = [*self.members.values()]
         out.num_lazy = len(self.members)
         self.in_flight = 1 if self.members else 0
+        return [req for _, req in others]
 
     def _join(self) -> list[Ordered]:
         """Steady decodes among the others join the cohort (each with its first event in the calendar); returns the
@@ -152,7 +158,7 @@ class DecodeCohort:
         self.consulted = True
         step, cohort, events, joined = self.steps_done, self.members, self.events, self.joined
         others, prev = [], self.last_step_end_s
-        kv, steady = self.kv, self.steady
+        kv, steady, stop = self.kv, self.steady, self.stop
         bs = kv.block_size if kv is not None else 0
         phase_members, phase_of = self.phase_members, self.phase_of
         uncached = kv is None or not kv.enable_prefix_caching
@@ -162,16 +168,18 @@ class DecodeCohort:
             if req.status is not Status.RUNNING:
                 continue  # finished since
             out_tokens, computed = req.num_output_tokens, req.num_computed_tokens
+            end = req.output_len
+            if stop is not None:
+                end = min(end, stop(req))
             if (out_tokens and computed == req.prompt_len + out_tokens - 1 and req.last_token_s == prev
-                    and out_tokens + 1 < req.output_len and not req.structured
-                    and (steady is None or steady(req))):
+                    and out_tokens + 1 < end and not req.structured and (steady is None or steady(req))):
                 cohort[req.request_id] = (req, 1)
                 joined[req.request_id] = step
                 if req.token_times is not None:
                     self._time(step)
                 self.context += req.prompt_len + out_tokens - step
                 self.remaining += req.max_tokens - out_tokens + step
-                last_in = req.output_len - 1 - out_tokens  # steps to its last token
+                last_in = end - 1 - out_tokens  # steps to its last token
                 if kv is None:  # its one event: last token due
                     when = step + last_in
                 else:
@@ -288,7 +296,7 @@ class DecodeCohort:
                 req.last_token_s = prev
                 if req.token_times is not None:
                     self._add_times(req, joined[rid])
-            if req.num_output_tokens + 1 < req.output_len:
+            if self.kv is not None and req.num_output_tokens + 1 < req.output_len:  # its blocks change
                 joined[rid] = step
                 due.append((order, req, 1))
                 continue

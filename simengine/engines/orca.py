@@ -5,7 +5,9 @@ Every iteration runs one decode token for each running request plus the whole pr
 to `max_num_seqs` while the KV pool can hold their reservation: Orca reserves slots for the request's maximum
 length at admission (Algorithm 1: n_rsrv += req.max_tokens), so a running request can never run out of KV and
 nothing is ever preempted. Paged blocks hold the reservation (Vidur/Sarathi-Serve's Orca also count blocks).
-No prefix cache, no CUDA graphs, a synchronous loop.
+No prefix cache, no CUDA graphs, a synchronous loop. Speed device (docs/performance.md): the running requests'
+steady decodes advance in a DecodeCohort (`schedule_lockstep`; their KV is reserved, so a member's one event is its
+last token).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 from simengine.kvcache.manager import KVCacheManager
@@ -50,6 +53,7 @@ class OrcaParams(Checked):
 @ENGINES.register("orca")
 class OrcaEngine(PagedEngine):
     Params = OrcaParams
+    lazy_decode = True  # speed device (module docstring)
     vendors = ALL_VENDORS
     # nearest measured backend: modelled on a PyTorch stack with cuBLAS GEMMs and flash-attention kernels
     kernel_backend = "vllm"
@@ -70,6 +74,7 @@ class OrcaEngine(PagedEngine):
         self.max_model_len = params.max_model_len or dep.model.max_model_len
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        self.cohort = DecodeCohort(None, 0) if self.lazy_decode else None
 
     def make_timing(self) -> EngineTiming:
         # ESTIMATE: a Python scheduler and input preparation ~1 ms and sampling/output handling ~0.5 ms per
@@ -103,9 +108,13 @@ class OrcaEngine(PagedEngine):
         # Invariant: every running request holds blocks for its whole reservation, so every one decodes each
         # iteration and nothing is preempted; len(running) <= max_num_seqs; new prompts run whole.
         out = SchedulerOutput()
-        out.scheduled = [(r, r.num_new_tokens) for r in self.running]
+        num_running = len(self.running)
+        running = self.cohort.schedule_lockstep(out) if self.cohort is not None else self.running
+        out.scheduled += [(r, r.num_new_tokens) for r in running]
         self._admit(out, now)
-        out.shape = self.make_shape(out.scheduled)
+        if self.cohort is not None:   # the admitted join the cohort's running order
+            self.cohort.order(self.running[num_running:], fresh=False)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         return out
 
     def _admit(self, out: SchedulerOutput, now: float) -> None:
@@ -117,6 +126,9 @@ class OrcaEngine(PagedEngine):
             self.admit_head(req.prompt_len, now, out)
 
     def check_invariants(self) -> None:
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(self.running)
         self.kv.pool.check_invariants()
         assert len(self.running) <= self.params.max_num_seqs
         bs = self.kv.block_size

@@ -335,10 +335,10 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
             if cohort is not None:   # members take their slots in the one allocation and settle them when they leave
                 if not self.cache.alloc(len(self.running)):
                     raise RuntimeError("sglang decode allocation failed although the pool held it")
-                cohort.schedule_lockstep(out)
                 holds = self.holds
-                for req, _ in out.scheduled[out.num_lazy:]:
+                for req in cohort.schedule_lockstep(out):
                     holds[req.request_id].private += 1
+                    out.scheduled.append((req, 1))
                 return False
         batch = len(self.running)
         sizes = [1 + self.drafts(req, batch) for req in self.running] if drafts else [1] * batch

@@ -9,12 +9,16 @@ wanting more than 1024 new tokens are re-queued at the tail after every 1024 wit
 appended (the re-prefill is mostly a prefix hit). The radix trie is filled only when a request's allocation is
 freed (its prompt, block-aligned); LRU leaves are evicted, partially if that suffices. More than
 max_concurrent_requests in flight are rejected (HTTP 429). The loop is synchronous: no CPU/GPU overlap.
+Speed device (docs/performance.md): without speculation the running batch's steady decodes advance in a DecodeCohort
+(`schedule_lockstep`); a new batch prefilled alone leaves them be, and a request leaving for its next visit
+dissolves it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Annotated, Literal
 
 from simengine.config.loader import Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
@@ -22,6 +26,7 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 from simengine.engines.speculative import AcceptanceDataset, AcceptanceKnobs, AcceptanceRates, Speculation, resolve
 from simengine.kvcache.radix import RadixCache, RadixHold
@@ -73,13 +78,13 @@ class _Entry:
 
     hold: RadixHold
     prompt: int          # tokens of this visit's prompt (original prompt + text generated before)
-    out_start: int       # outputs already generated when this visit started
-    max_new: int         # new tokens this visit may generate (<= 1024)
+    out_end: int         # outputs generated when this visit ends: those before it + its max_new (<= 1024)
 
 
 @ENGINES.register("tgi")
 class TgiEngine(RadixCacheViews, EnginePolicy):
     Params = TgiParams
+    lazy_decode = True  # speed device (module docstring)
     vendors = frozenset({"nvidia", "amd", "intel"})
     # nearest measured backend: TGI's CUDA path runs cuBLAS GEMMs and flash-attention/paged kernels shared with vLLM
     kernel_backend = "vllm"
@@ -116,6 +121,9 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         # with chunking, max_batch_size only bounds the first (idle) batch; later admissions ignore it (backend.rs)
         cap = p.max_batch_size if p.max_batch_size and not p.prefill_chunking else p.max_concurrent_requests
         self.batch_size_limit = min(p.max_concurrent_requests, cap)
+        # KV is reserved for the whole visit at admission: a member's only event is its visit's (or its) last token
+        self.cohort = DecodeCohort(None, 0, stop=lambda r: self.visits[r.request_id].out_end) \
+            if self.lazy_decode and self.speculation is None else None
 
     @classmethod
     def speculation_of(cls, params: TgiParams, dep: Deployment) -> Speculation | None:
@@ -181,14 +189,17 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         res = super().update(out, now)
         visits = self.visits
-        ended = [r for r, _ in out.scheduled if r.status is Status.RUNNING
-                 and r.num_output_tokens - visits[r.request_id].out_start >= visits[r.request_id].max_new]
+        ended = [r for r, _ in islice(out.scheduled, out.num_lazy, None) if r.status is Status.RUNNING
+                 and r.num_output_tokens >= visits[r.request_id].out_end]
         for req in ended:       # 1024 tokens generated: back to the tail with the text appended to the prompt
             self.batch.remove(req)
             self.release(req)
             req.num_computed_tokens = 0
             req.status = Status.WAITING
             self.queue.append(req)
+        if ended and self.cohort is not None:   # the same request comes back: number the batch afresh
+            self.cohort.dissolve()
+            self.cohort.order(self.batch, fresh=True)
         return res
 
     # ---- schedule -----------------------------------------------------------------------------------
@@ -197,26 +208,34 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         # strict FCFS from the queue head; a forward's prefill tokens stay within max_batch_prefill_tokens
         # (minus the running batch's current tokens when chunking); a new-entry forward is followed by a decode.
         out = SchedulerOutput()
-        running = self._running_tokens()
+        num_running = len(self.batch)
         if not self.batch:
             new = self._next_batch(self.mbpt, self.params.max_batch_size, now)
             self.decode_next = False          # the loop may admit again before its first decode
             out.scheduled = new
         elif self.decode_next:
             self.decode_next = False
-            out.scheduled = running
+            self._schedule_running(out)
         elif self.params.prefill_chunking:
-            current = sum(n for _, n in running)
+            self._schedule_running(out)
+            current = out.num_lazy + sum(n for _, n in islice(out.scheduled, out.num_lazy, None))
             new = self._next_batch(max(self.mbpt - current, 0), None, now)
             self.decode_next = bool(new)
-            out.scheduled = running + new     # concatenated with the running batch: one mixed forward
+            out.scheduled += new              # concatenated with the running batch: one mixed forward
         else:
-            out.scheduled = self._unchunked_step(running, now)
-        out.shape = self.make_shape(out.scheduled)
+            new = self._unchunked_new_batch(now)
+            if new:
+                out.scheduled = new
+            else:
+                self._schedule_running(out)
+        if self.cohort is not None:   # the admitted join the cohort's running order
+            self.cohort.order(self.batch[num_running:], fresh=False)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         return out
 
-    def _unchunked_step(self, running: list[tuple[Request, int]], now: float) -> list[tuple[Request, int]]:
-        """Non-chunking models: a new batch big enough (waiting_served_ratio) is prefilled alone, pausing decode."""
+    def _unchunked_new_batch(self, now: float) -> list[tuple[Request, int]]:
+        """Non-chunking models: a new batch big enough (waiting_served_ratio) is prefilled alone, pausing decode
+        (none: the running batch decodes)."""
         p = self.params
         size = len(self.batch)
         min_size = None if self.waiting_tokens >= p.max_waiting_tokens else int(size * p.waiting_served_ratio)
@@ -227,25 +246,27 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
             self.decode_next = True
             return new
         self.waiting_tokens += 1
-        return running
+        return new
 
-    def _running_tokens(self) -> list[tuple[Request, int]]:
+    def _schedule_running(self, out: SchedulerOutput) -> None:
         """What the batch computes next: one token per decoding request; prefilling requests get the next
-        chunk, budget = max_batch_prefill_tokens - (len(batch) - 1), newest first (flash_causal_lm.py)."""
+        chunk, budget = max_batch_prefill_tokens - (len(batch) - 1), newest first (flash_causal_lm.py). The cohort's
+        members (steady decodes) go first."""
         budget = self.mbpt - (len(self.batch) - 1)
-        out = []
+        batch = self.cohort.schedule_lockstep(out) if self.cohort is not None else self.batch
+        scheduled = []
         speculating = self.speculation is not None
-        for req in reversed(self.batch):
-            n = req.num_new_tokens
+        for req in reversed(batch):
+            n = req.prompt_len + req.num_output_tokens - req.num_computed_tokens   # num_new_tokens, inline
             if n > 1 or req.num_output_tokens == 0:
                 n = min(n, max(budget, 0))
                 budget -= n
             elif speculating:   # a decode verifies its n-gram drafts
                 n += self.drafts(req, len(self.batch))
             if n > 0:
-                out.append((req, n))
-        out.reverse()
-        return out
+                scheduled.append((req, n))
+        scheduled.reverse()
+        out.scheduled += scheduled
 
     def _next_batch(self, budget: int, max_size: int | None, now: float,
                     min_size: int | None = None) -> list[tuple[Request, int]]:
@@ -291,7 +312,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         if not self.cache.grow(hold, need):
             self.cache.release(hold)
             return None
-        return _Entry(hold, prompt, req.num_output_tokens, max_new)
+        return _Entry(hold, prompt, req.num_output_tokens + max_new)
 
     def _admit(self, req: Request, e: _Entry, prefix: int, now: float) -> None:
         self.visits[req.request_id] = e
@@ -303,6 +324,9 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         self.batch.append(req)
 
     def check_invariants(self) -> None:
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(self.batch)
         self.cache.check_invariants()
         assert sorted(r.request_id for r in self.batch) == sorted(self.visits), "a visit outside the batch"
         assert sum(e.hold.private for e in self.visits.values()) == self.cache.req_tokens, "private slot leak"

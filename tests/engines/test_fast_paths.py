@@ -1,11 +1,13 @@
 """The simulator's speed devices change no result: with each on or off, every run gives identical figures.
 
-* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve, TensorRT-LLM and SGLang, taken from the
-  registry): random scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM
+* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve, TensorRT-LLM, SGLang, TGI and Orca,
+  taken from the registry): random scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM
   long_prefill_token_threshold, priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size,
   block size and watermark; for TensorRT-LLM the capacity policy, chunked prefill, overlap, block reuse and block
   size; for SGLang the schedule policy, page size, radix cache off, chunk size, conservativeness, priority and
-  overlap) run with the cohort off (every request walked every step) and on.
+  overlap; for TGI prefill chunking, attention backend, prefix caching, prefill budget and the unchunked batching
+  ratios; for Orca the batch cap, block size and reservation rule) run with the cohort off (every request walked
+  every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
@@ -37,15 +39,16 @@ from tests.conftest import make_scenario
 from tests.test_fuzz_invariants import build, kv_params, scenarios
 
 
-def _busy(engine: str, num_requests: int, params: dict) -> Scenario:
-    """More arrivals than the replica serves: long busy periods of many concurrent decodes."""
+def _busy(engine: str, num_requests: int, params: dict, max_tokens: int | None = None) -> Scenario:
+    """More arrivals than the replica serves: long busy periods of many concurrent decodes (`max_tokens`: the
+    client's, above the output lengths)."""
     return from_dict(Scenario, {
         "name": "busy", "seed": 5, "horizon_s": 1e6, "drain_s": 1e6,
         "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
         "workload": {"arrival": {"process": "poisson", "rate": 40.0}, "num_requests": num_requests,
                      "input_tokens": {"dist": "lognormal", "mean": 800, "sigma": 0.8, "max": 6000},
                      "output_tokens": {"dist": "lognormal", "mean": 200, "sigma": 0.8, "max": 1500},
-                     "shared_prefix_tokens": 256},
+                     "client_max_tokens": max_tokens, "shared_prefix_tokens": 256},
         "engines": [{"engine": engine, "params": params}]}, source="test")
 
 
@@ -90,6 +93,12 @@ COHORT_KNOBS = {
         "chunked_prefill_size": st.sampled_from([None, 64, -1]),
         "schedule_conservativeness": st.sampled_from([1.0, 0.3]),
         "enable_priority_scheduling": st.booleans(), "disable_overlap_schedule": st.booleans()}),
+    "tgi": st.fixed_dictionaries({
+        "prefill_chunking": st.booleans(), "attention": st.sampled_from(["flashinfer", "flashinfer", "paged"]),
+        "prefix_caching": st.booleans(), "max_batch_prefill_tokens": st.sampled_from([None, 64, 512]),
+        "waiting_served_ratio": st.sampled_from([0.3, 0.0, 1.2]), "max_waiting_tokens": st.sampled_from([20, 2])}),
+    "orca": st.fixed_dictionaries({"max_num_seqs": st.sampled_from([128, 4]), "block_size": st.sampled_from([16, 8]),
+                                   "reserve": st.sampled_from(["max_tokens", "max_tokens", "max_model_len"])}),
 }
 
 
@@ -108,7 +117,10 @@ def test_cohort_changes_no_result(engine, data):
         return  # a configuration the tool refuses: nothing to compare
     entry = sc.engines[0]
     params = {**entry.params, **data.draw(COHORT_KNOBS[engine])}
-    sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)])
+    # a client max_tokens above the output length: SGLang's reservation clip, TGI's 1,024-token visits
+    max_tokens = data.draw(st.sampled_from([None, None, 1500, 5000]))
+    sc = dataclasses.replace(sc, engines=[dataclasses.replace(entry, params=params)],
+                             workload=dataclasses.replace(sc.workload, client_max_tokens=max_tokens))
     detailed = data.draw(st.sampled_from([0, 3, 1000]))
     try:
         eager = _run(sc, lazy=False, detailed=detailed)
@@ -121,7 +133,10 @@ def test_cohort_changes_no_result(engine, data):
 # reserves decode growth, so it over-commits (and retracts) only when told to be less conservative
 BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16},
            "trtllm": {"kv_cache_max_tokens": 40000},
-           "sglang": {"max_total_tokens": 40000, "schedule_conservativeness": 0.1}}
+           "sglang": {"max_total_tokens": 40000, "schedule_conservativeness": 0.1},
+           "tgi": {"max_batch_total_tokens": 40000, "prefill_chunking": False}, "orca": {"num_blocks": 40000 // 16}}
+# GUARANTEED_NO_EVICT, TGI's whole-visit and Orca's whole-life reservations: admission waits
+NEVER_PREEMPTS = {"trtllm", "tgi", "orca"}
 
 
 @pytest.mark.parametrize("engine", COHORT)
@@ -129,7 +144,8 @@ def test_cohort_is_used_and_equal_on_a_busy_run(engine):
     """A loaded replica (hundreds of concurrent decodes, KV near full so some steps fall back) gives the same
     figures with the cohort as without, token times of the first half included, and the cohort really carries most
     decodes."""
-    sc = _busy(engine, 600, BUSY_KV[engine])
+    # TGI: a client max_tokens past the outputs, so visits (min(max_tokens, 1024)) outlast them
+    sc = _busy(engine, 600, BUSY_KV[engine], max_tokens=1200 if engine == "tgi" else None)
     lazy_steps = []
     cls = ENGINES.get(engine)
     real_update = cls.update
@@ -143,8 +159,8 @@ def test_cohort_is_used_and_equal_on_a_busy_run(engine):
         lazy = _run(sc, lazy=True, detailed=300)
     _assert_same(lazy, eager)
     assert len(lazy.recorder.token_times) == 300
-    # the fallback to the exact loop ran too (TensorRT-LLM's GUARANTEED_NO_EVICT never preempts: admission waits)
-    assert lazy.summary["preemptions"] > 0 or engine == "trtllm"
+    # the fallback to the exact loop ran too
+    assert lazy.summary["preemptions"] > 0 or engine in NEVER_PREEMPTS
     carried = sum(k for k, _ in lazy_steps) / sum(d for _, d in lazy_steps)
     assert carried > 0.7, f"the cohort carried only {carried:.0%} of decodes"
 
