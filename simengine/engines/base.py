@@ -275,6 +275,13 @@ class EnginePolicy(ABC):
         if self.cohort is not None:
             self.cohort.sync()
 
+    def check_cohort(self, running: list[Request]) -> None:
+        """Bring the decode cohort's members up to date and check it against `running`, the engine's running set
+        (the first thing an engine with a cohort does in check_invariants)."""
+        self.sync()
+        if self.cohort is not None:
+            self.cohort.check_invariants(running)
+
     # ---- shared mechanics ---------------------------------------------------------------------------
     def reject(self, req: Request, reason: str) -> bool:
         req.status = Status.FAILED

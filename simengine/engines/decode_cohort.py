@@ -94,6 +94,10 @@ class DecodeCohort:
         else:
             self.others += numbered
 
+    def running_others(self) -> list[Request]:
+        """The running requests outside the cohort, in running order (their counters are current)."""
+        return [req for _, req in self.others if req.status is Status.RUNNING]
+
     def context_tokens(self, num_lazy: int) -> int:
         """Context tokens the step's `num_lazy` members read."""
         return self.context + num_lazy * self.steps_done
@@ -360,7 +364,7 @@ class DecodeCohort:
         """Members and others are the running set (`running`: the engine's, finishing requests left out), every
         member is a steady decode with one pending event, and the counted members' phases hold. Call after `sync`."""
         members = [r for r, _ in self.members.values()]
-        others = [r for _, r in self.others if r.status is Status.RUNNING]
+        others = self.running_others()
         assert sorted(r.request_id for r in members + others) == sorted(r.request_id for r in running), \
             "cohort and others are not the running set"
         assert sum(map(len, self.events.values())) == len(members), "a member without its leave event"

@@ -126,9 +126,7 @@ class OrcaEngine(PagedEngine):
             self.admit_head(req.prompt_len, now, out)
 
     def check_invariants(self) -> None:
-        self.sync()
-        if self.cohort is not None:
-            self.cohort.check_invariants(self.running)
+        self.check_cohort(self.running)
         self.kv.pool.check_invariants()
         assert len(self.running) <= self.params.max_num_seqs
         bs = self.kv.block_size

@@ -185,9 +185,7 @@ class SarathiEngine(PagedEngine):
             used += n
 
     def check_invariants(self) -> None:
-        self.sync()
-        if self.cohort is not None:
-            self.cohort.check_invariants(self.running)
+        self.check_cohort(self.running)
         self.kv.pool.check_invariants()
         assert len(self.running) <= self.params.max_num_seqs
         assert sum(self.kv.num_blocks_of(r) for r in self.running) == self.kv.pool.num_used

@@ -381,9 +381,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         self._enqueue(req)
 
     def check_invariants(self) -> None:
-        self.sync()
+        self.check_cohort(self.running)
         if self.cohort is not None:
-            self.cohort.check_invariants(self.running)
             assert all(self.holds[r.request_id].cached + self.holds[r.request_id].private == r.num_computed_tokens
                        for r in self.running), "a running request's slots are not its computed tokens"
         self.cache.check_invariants()

@@ -6,7 +6,7 @@ batch that joins the running batch without a forward. The scheduler that uses it
 from __future__ import annotations
 
 from simengine.core.batch import SchedulerOutput
-from simengine.core.request import Request, Status
+from simengine.core.request import Request
 from simengine.engines.base import EnginePolicy
 from simengine.engines.sglang_policy import reserve_tokens
 from simengine.kvcache.radix import RadixCache, RadixHold
@@ -30,9 +30,7 @@ class SglangDecodeSide(EnginePolicy):
         """The running requests outside the decode cohort, whose counters are current (every running request when
         the cohort has no members)."""
         cohort = self.cohort
-        if cohort is None or not cohort.members:
-            return self.running
-        return [r for _, r in cohort.others if r.status is Status.RUNNING]
+        return self.running if cohort is None or not cohort.members else cohort.running_others()
 
     def _preallocate(self, out: SchedulerOutput) -> None:
         """DecodePreallocQueue.pop_preallocated, first come first served: slots for a request's whole prompt when the

@@ -324,9 +324,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         self.batch.append(req)
 
     def check_invariants(self) -> None:
-        self.sync()
-        if self.cohort is not None:
-            self.cohort.check_invariants(self.batch)
+        self.check_cohort(self.batch)
         self.cache.check_invariants()
         assert sorted(r.request_id for r in self.batch) == sorted(self.visits), "a visit outside the batch"
         assert sum(e.hold.private for e in self.visits.values()) == self.cache.req_tokens, "private slot leak"

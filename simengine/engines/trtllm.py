@@ -383,9 +383,7 @@ class TrtllmEngine(PagedEngine):
         return -1
 
     def check_invariants(self) -> None:
-        self.sync()
-        if self.cohort is not None:
-            self.cohort.check_invariants(self.running)
+        self.check_cohort(self.running)
         self.kv.pool.check_invariants()
         if self.kv.host is not None:
             self.kv.host.check_invariants()

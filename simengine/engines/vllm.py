@@ -193,11 +193,9 @@ class VllmEngine(PagedEngine):
         return res
 
     def check_invariants(self) -> None:
-        self.sync()
+        # async finishing: a finishing request is out of both the cohort and its others
+        self.check_cohort([r for r in self.running if r.status is not Status.FINISHED])
         super().check_invariants()
-        if self.cohort is not None:
-            self.cohort.check_invariants([r for r in self.running if r.status is not Status.FINISHED])  # async:
-            # a finishing request is out of both
 
     def _cap_running(self, req: Request, n: int) -> int:
         """long_prefill_token_threshold on a running request's tokens when the budget does not bind (the cohort's
