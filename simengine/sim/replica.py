@@ -130,14 +130,15 @@ class Replica:
         return False
 
     def _repeat(self, out: SchedulerOutput, steps: int):
-        """Run `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
+        """Run up to `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
         simulation (so nothing can look at the engine meanwhile) are applied together under one timeout, at the
-        times one timeout a step would give; the others one timeout each."""
+        times one timeout a step would give. At the first repeat that someone else could watch (an arrival, a router
+        reading the engine's KV) or whose end the clock cannot land on, the engine schedules again: a schedule call
+        takes the step's KV at its start, where applying a repeat takes it at its end."""
         env, shape = self.env, out.shape
         ctx = shape.decode_context_tokens
         growth = self.engine.context_growth(shape)
         costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
-        shape.decode_context_tokens = ctx + growth * steps
         seconds = costs[:, 0]
         i = 0
         while i < steps:
@@ -150,12 +151,9 @@ class Replica:
                 self._complete_repeats(out, costs[i:i + k], start, ends[:k])
                 yield env.timeout(float(ends[k - 1]) - start)
                 i += k
-                if k == len(window):
-                    continue
-            start = env.now  # the next repeat: someone else acts first, or the clock cannot land on its end
-            yield env.timeout(float(seconds[i]))
-            self._complete_repeats(out, costs[i:i + 1], start, np.array([env.now]))
-            i += 1
+            if k < len(window):
+                break
+        shape.decode_context_tokens = ctx + growth * i
 
     def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
         """`_complete` for repeats of `out` ending at `ends` (their StepCost fields as rows of `costs`): the same step
