@@ -10,6 +10,11 @@ free memory after weights, in blocks of cache_block_seq_len; quant_policy 8/4 st
 Prefix caching (a trie of full blocks) is off by default. With `interactive_sessions`, a finished turn's KV is
 kept for its session and the next turn resumes from it (lmdeploy's stateful session API). async_=1 overlaps
 host work with the GPU; TurboMind captures no CUDA graphs (fused C++ kernels, launched eagerly).
+
+Simulation speed (not a TurboMind mechanism): while the sequences that ran in the last pass are the first ones by
+arrival, their steady decodes are advanced as one lazy cohort (engines/decode_cohort.py) and the pass walks only the
+others; when a budget, the context limit or the pool could bind, the cohort is dissolved and the pass walks every
+sequence. Off with prefix caching (producers and trie hits are per-sequence decisions).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
+from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
@@ -78,6 +84,7 @@ def turbomind_kv(dep: Deployment, quant_policy: int) -> Deployment:
 class LmdeployEngine(EnginePolicy):
     Params = LmdeployParams
     vendors = frozenset({"nvidia"})
+    lazy_decode = True  # speed device (module docstring)
     # nearest measured backend: TurboMind's C++ CUTLASS GEMMs and fused attention are of TensorRT-LLM's kind
     kernel_backend = "trtllm"
     support_source = ("LMDeploy docs 'Supported models' / README: TurboMind is CUDA-only (sm70+); Huawei Ascend, "
@@ -114,6 +121,11 @@ class LmdeployEngine(EnginePolicy):
         self._stop = 0                                # index of the first sequence that lost blocks this pass
         self._produced: set[int] = set()              # prefix keys of blocks being written in this pass
         self._query_tokens = self._hit_tokens = 0
+        # speed device (module docstring): the active sequences are seqs[:len(_active)] when no sequence sat out the
+        # last pass, and then the cohort can carry them
+        self._active_first = True
+        self.cohort = (DecodeCohort(self.kv, self.max_forward_tokens) if self.lazy_decode and not
+                       p.enable_prefix_caching and self.speculation is None and dep.pp == 1 else None)
 
     def make_timing(self) -> EngineTiming:
         return EngineTiming(
@@ -178,19 +190,49 @@ class LmdeployEngine(EnginePolicy):
             req = self.queue.popleft()
             self._bind_session(req)
             self.seqs.append(req)
-        self._pass(out, now)
-        self._active = {r.request_id for r, _ in out.scheduled}
+        cohort = self.cohort
+        left = self._cohort_pass(out) if cohort is not None else None
+        if left is None:
+            self._pass(out, now)
+            self._active = {r.request_id for r, _ in out.scheduled}
+            if cohort is not None:
+                cohort.order([r for r, _ in out.scheduled], fresh=True)
+        else:  # the active sequences went through the cohort: the pass goes on with the sequences after them
+            carried = len(out.scheduled)
+            self._pass(out, now, len(self._active), *left)
+            admitted = [r for r, _ in out.scheduled[carried:]]
+            self._active.update(r.request_id for r in admitted)
+            cohort.order(admitted, fresh=False)  # type: ignore[union-attr]
         if not out.scheduled and self.seqs:
             out.idle_reason = "no sequence fits the forward budget or KV pool"
-        out.shape = self.make_shape(out.scheduled)
+        out.shape = self.make_shape(out.scheduled, out.num_lazy)
         return out
 
-    def _pass(self, out: SchedulerOutput, now: float) -> None:
-        tokens, ctx = self.max_forward_tokens, self.max_context_token_num
+    def _cohort_pass(self, out: SchedulerOutput) -> tuple[int, int] | None:
+        """The pass over the active sequences with the cohort: (forward tokens, context tokens) left for the pass to
+        go on from the first inactive sequence, or None after dissolving the cohort when the full pass must decide
+        (a sequence sat out the last pass, or the context limit, forward budget or pool could bind)."""
+        cohort = self.cohort
+        assert cohort is not None
+        ctx = self.max_context_token_num
+        if self._active_first:
+            for req in cohort.running_others():   # ContextTokenResource: an active prefill charges its context
+                if req.num_tokens - req.num_computed_tokens > 1:
+                    ctx -= req.num_tokens
+            if ctx >= 0:
+                tokens = cohort.schedule_running(out)
+                return None if tokens is None else (tokens, ctx)
+        cohort.dissolve()
+        return None
+
+    def _pass(self, out: SchedulerOutput, now: float, i: int = 0, tokens: int = -1, ctx: int = -1) -> None:
+        """Visit the sequences from index `i` with `tokens` forward and `ctx` context tokens (-1: the limits)."""
+        if tokens < 0:
+            tokens, ctx = self.max_forward_tokens, self.max_context_token_num
         self._stop = len(self.seqs)
         self._produced.clear()
+        self._active_first = True
         active, schedule, seqs = self._active, out.scheduled.append, self.seqs
-        i = 0
         while True:
             end = min(self._stop, len(seqs))   # changes only on the full path below
             while i < end and tokens > 0:
@@ -213,6 +255,7 @@ class LmdeployEngine(EnginePolicy):
             fits = charge <= ctx
             n = self._align(req, begin, min(req.num_tokens - begin, tokens)) if fits else 0
             if fits and (n <= 0 or self._producer_conflict(req, begin)):
+                self._active_first = False
                 i += 1
                 continue  # a sub-block chunk, or blocks another sequence is writing: sits out the pass
             if not fits or not self._make_room(i, req, n, hit, out):
@@ -349,6 +392,10 @@ class LmdeployEngine(EnginePolicy):
         req.num_computed_tokens = valid
 
     def check_invariants(self) -> None:
+        self.check_cohort([r for r in self.seqs if r.request_id in self._active])
+        if self._active_first:
+            assert {r.request_id for r in self.seqs[:len(self._active)]} == self._active, \
+                "the active sequences are not the first ones"
         kv = self.kv
         kv.pool.check_invariants()
         assert len(self.seqs) <= self.max_batch_size

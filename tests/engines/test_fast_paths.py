@@ -1,12 +1,13 @@
 """The simulator's speed devices change no result: with each on or off, every run gives identical figures.
 
-* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve, TensorRT-LLM, SGLang, TGI and Orca,
+* The lazy decode cohort (`EnginePolicy.lazy_decode`: vLLM, Sarathi-Serve, TensorRT-LLM, SGLang, TGI, Orca and LMDeploy,
   taken from the registry): random scenarios (the fuzz generator's, plus the engine's own scheduling knobs: for vLLM
   long_prefill_token_threshold, priority scheduling, prefix caching off, block size; for Sarathi-Serve chunk size,
   block size and watermark; for TensorRT-LLM the capacity policy, chunked prefill, overlap, block reuse and block
   size; for SGLang the schedule policy, page size, radix cache off, chunk size, conservativeness, priority and
   overlap; for TGI prefill chunking, attention backend, prefix caching, prefill budget and the unchunked batching
-  ratios; for Orca the batch cap, block size and reservation rule) run with the cohort off (every request walked
+  ratios; for Orca the batch cap, block size and reservation rule; for LMDeploy the forward and context budgets,
+  batch size, block size, prefix caching, async and stateful sessions) run with the cohort off (every request walked
   every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
   baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
@@ -99,6 +100,12 @@ COHORT_KNOBS = {
         "waiting_served_ratio": st.sampled_from([0.3, 0.0, 1.2]), "max_waiting_tokens": st.sampled_from([20, 2])}),
     "orca": st.fixed_dictionaries({"max_num_seqs": st.sampled_from([128, 4]), "block_size": st.sampled_from([16, 8]),
                                    "reserve": st.sampled_from(["max_tokens", "max_tokens", "max_model_len"])}),
+    "lmdeploy": st.fixed_dictionaries({
+        "max_prefill_token_num": st.sampled_from([8192, 8192, 64, 512]),
+        "max_context_token_num": st.sampled_from([None, None, 600, 3000]),
+        "max_batch_size": st.sampled_from([None, None, 4]), "cache_block_seq_len": st.sampled_from([64, 64, 16]),
+        "enable_prefix_caching": st.sampled_from([False, False, True]), "async_": st.sampled_from([1, 0]),
+        "interactive_sessions": st.booleans()}),
 }
 
 
@@ -134,7 +141,8 @@ def test_cohort_changes_no_result(engine, data):
 BUSY_KV = {"vllm": {"kv_cache_memory_bytes": 40000 * 131072}, "sarathi": {"num_gpu_blocks": 40000 // 16},
            "trtllm": {"kv_cache_max_tokens": 40000},
            "sglang": {"max_total_tokens": 40000, "schedule_conservativeness": 0.1},
-           "tgi": {"max_batch_total_tokens": 40000, "prefill_chunking": False}, "orca": {"num_blocks": 40000 // 16}}
+           "tgi": {"max_batch_total_tokens": 40000, "prefill_chunking": False}, "orca": {"num_blocks": 40000 // 16},
+           "lmdeploy": {"cache_max_entry_count": 40000 // 64}}
 # GUARANTEED_NO_EVICT, TGI's whole-visit and Orca's whole-life reservations: admission waits
 NEVER_PREEMPTS = {"trtllm", "tgi", "orca"}
 
