@@ -104,6 +104,8 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
         summary["pools"] = [pool_section(p, summary["replicas"], res.engines) for p in pools]
     if res.disaggregation is not None:
         summary["disaggregation"] = res.disaggregation
+    if res.stalls:
+        summary["stalled"] = res.stalls
     offload = offload_section(res.engines, runner.replicas, summary["total_input_tokens"], res.end_s)
     if offload is not None:
         summary["kv_offload"] = offload

@@ -168,6 +168,9 @@ def cmd_run(args) -> int:
         if r.summary["failed"]:
             reasons = "; ".join(f"{n:,} {reason}" for reason, n in r.summary["failure_reasons"].items())
             print(f"{label}: {r.summary['failed']:,} failed: {reasons}")
+        for st in r.summary.get("stalled", ()):
+            print(f"{label}: replica {st['replica']} stalled from t={st['since_s']:.1f} s to the end with "
+                  f"{st['requests']:,} request(s) it could not schedule: {st['reason']}")
         if (f := r.summary.get("faults")) is not None:
             print(f"{label}: {f['failures']} replica failure(s), {f['retries']} request(s) resent, "
                   f"{f['failed_by_fault']} failed by them, availability {100 * f['availability']:.1f}%")

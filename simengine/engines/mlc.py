@@ -210,8 +210,24 @@ class MlcEngine(EnginePolicy):
             # "none of the prefill phase of the running requests is finished"; preempt the last one and retry.
             self._preempt(self.running[-1], out)
             self._prefill(out, now)
+        if out.is_empty and self.waiting:
+            out.idle_reason = self._head_blocked()
         out.shape = self.make_shape(out.scheduled)
         return out
+
+    def _head_blocked(self) -> str:
+        """Why the waiting head cannot prefill with nothing running (MLC then waits: no action processes anything)."""
+        head = self.waiting[0]
+        length = head.num_tokens - head.num_computed_tokens
+        pages = self.kv.blocks_for(length)
+        text = (f"the waiting head needs {length} tokens in {pages} pages + 1 and NewRequestPrefill finds "
+                f"{self.kv.pool.num_free} free pages, total sequence length {self._total_seq_len()} of "
+                f"{self.cfg.max_total_sequence_length}")
+        if self.recycling and pages == self.kv.pool.num_free:
+            text += (f"; {len(self.recycling)} recycling sequence(s) hold the page it lacks, and MLC's TryFreeMemory "
+                     "loop checks the batch without the head (HasPrefillSpace) while CanPrefill counts it, so none is "
+                     "freed (batch_prefill_base.cc)")
+        return text
 
     def _total_seq_len(self) -> int:
         """GetCurrentTotalSequenceLength: every sequence in the KV cache at its full length (forks count whole)."""

@@ -27,6 +27,7 @@ class Replica:
         self.gpu = simpy.Resource(env, capacity=1)
         self.check = check_invariants
         self._wake: simpy.Event | None = None
+        self._idle_reason = ""
         self.schedules = 0          # schedule calls so far
         # prefill/decode disaggregation (the runner sets them on pools that need them): called with the requests a
         # decode engine reserved blocks for, and with each step's output on a layerwise prefill replica
@@ -36,6 +37,8 @@ class Replica:
         self.host_link = Link(env)
         self.host_loads: list[tuple[int, float, float]] = []
         self.stopped = False
+        # the engine scheduled nothing with work waiting and has run no step since: (since when, its reason)
+        self.stall: tuple[float, str] | None = None
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -101,6 +104,8 @@ class Replica:
             with self.gpu.request() as hold:
                 yield hold
                 stalled = yield from self._busy_period()
+            if stalled and self.stall is None:
+                self.stall = (env.now, self._idle_reason)
             if stalled:  # waiting work that cannot start until something changes (an arrival) wakes us
                 self._wake = env.event()
                 yield self._wake
@@ -118,7 +123,9 @@ class Replica:
                                        f"({out.idle_reason or 'no reason given'})")
                 if out.rejected or out.released:   # blocks were freed: the waiting requests may fit now
                     continue
+                self._idle_reason = out.idle_reason
                 return True
+            self.stall = None
             c = cost.step(out.shape)
             start = env.now
             yield env.timeout(c.seconds)

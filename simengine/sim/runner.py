@@ -45,6 +45,7 @@ class RunResult:
     pools: list[Pool] = field(default_factory=list)
     decisions: list[int] = field(default_factory=list)   # requests each replica's router sent it
     disaggregation: dict | None = None                    # KV transfers and links (prefill/decode pools)
+    stalls: list[dict] = field(default_factory=list)      # replicas stuck at the end (Runner.stalls)
 
     @property
     def label(self) -> str:
@@ -557,7 +558,14 @@ class Runner:
             self.recorder.request(req, -1, "unfinished")
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
                          self.fault_summary(self.env.now), self.down_intervals(self.env.now), self.pools,
-                         self.decisions, self.disaggregation_summary(self.env.now))
+                         self.decisions, self.disaggregation_summary(self.env.now), self.stalls())
+
+    def stalls(self) -> list[dict]:
+        """Replicas that ended the run stuck: work in the engine, nothing it could schedule, and no step since."""
+        return [{"replica": rep.index, "since_s": round(rep.stall[0], 6),
+                 "requests": rep.engine.num_running() + rep.engine.num_waiting(),
+                 "reason": rep.stall[1] or "no reason given"}
+                for rep in self.replicas if rep.stall is not None and rep.engine.has_work()]
 
     def link_spans(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Busy intervals (starts, ends) of each prefill replica's send side and decode replica's receive side."""

@@ -238,3 +238,39 @@ def test_a_refusal_mid_run_lets_the_waiting_requests_go_on():
     s = run_engine(sc, sc.engines[0]).summary
     assert s["failed"] == 3 and s["unfinished"] == 0
     assert all("outgrew max_total_sequence_length" in k for k in s["failure_reasons"])
+
+
+def test_a_recycling_sequence_holding_the_last_page_stalls_the_head_as_mlc_does():
+    """MLC's TryFreeMemory loop tests HasPrefillSpace with the batch before the head, CanPrefill with it
+    (batch_prefill_base.cc): a head that needs every free page leaves the recycling sequence holding the page it lacks,
+    and with nothing running no action processes anything. The engine says so."""
+    eng = engine(max_total_sequence_length=128)          # 8 pages of 16
+    a = make_request(20, 4)
+    eng.add_request(a, 0.0)
+    now = run_until_done(eng, [a])
+    assert list(eng.recycling.values()) == [a] and eng.kv.pool.num_free == 6
+    b = make_request(96, 4)                               # 6 pages: 6 + 1 > 6 free, 23 + 96 + 8 <= 128
+    assert eng.add_request(b, now)
+    out, _ = run_step(eng, now)
+    assert out.is_empty and eng.has_work() and list(eng.recycling.values()) == [a]
+    assert "TryFreeMemory" in out.idle_reason and "96 tokens in 6 pages" in out.idle_reason
+    eng.check_invariants()
+
+
+def test_a_stalled_replica_is_reported_with_its_reason(tmp_path):
+    """The same stall in a run: the summary names the replica, since when, what it holds and why."""
+    trace = tmp_path / "two.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0000000,20,4\n"
+                     "2023-11-16 18:00:10.0000000,96,4\n")
+    sc = from_dict(Scenario, {
+        "name": "mlc-stall", "seed": 1, "horizon_s": 20.0, "drain_s": 100.0,
+        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+        "workload": {"trace": {"kind": "azure", "path": str(trace)}},
+        "engines": [{"engine": "mlc", "params": {"max_total_sequence_length": 128}}]}, source="test")
+    s = run_engine(sc, sc.engines[0], check_invariants=True).summary
+    assert s["completed"] == 1 and s["unfinished"] == 1
+    [stall] = s["stalled"]
+    assert stall["replica"] == 0 and stall["since_s"] == pytest.approx(10.0, abs=0.1) and stall["requests"] == 1
+    assert "TryFreeMemory" in stall["reason"]
+    ok = run_engine(sc, EngineEntry(engine="vllm", params={}), check_invariants=True).summary
+    assert ok["completed"] == 2 and "stalled" not in ok
