@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -15,6 +18,11 @@ from simengine.config.model import load_model
 from simengine.config.scenario import Scenario
 from simengine.core.request import Request
 from simengine.engines.memory import Deployment
+
+# the measured-kernel model's disk cache of shaped tables (cost/measured.py): a fresh one per session, not the user's
+_CACHE = tempfile.mkdtemp(prefix="simengine-test-cache-")
+os.environ["SIMENGINE_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 settings.register_profile("default", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

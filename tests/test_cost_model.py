@@ -298,3 +298,59 @@ def test_bad_profile_arguments_are_input_errors():
         profile_command("llama-3.1-8b", out=None, device="cpu", dtype="int3", tp=1, quick=True)
     with pytest.raises(InputError, match="--tp"):
         profile_command("llama-3.1-8b", out=None, device="cpu", dtype="bf16", tp=0, quick=True)
+
+
+def test_the_disk_cache_builds_once_reads_back_the_same_arrays_and_survives_a_bad_entry(tmp_path, monkeypatch):
+    from simengine.cost import measured
+    monkeypatch.setenv("SIMENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "table.csv"
+    source.write_text("m,latency\n1,0.5\n")
+    builds = []
+
+    def build():
+        builds.append(1)
+        return {"x": np.array([0.1, 1 / 3]), "names": np.array(["a", "bb"])}
+    first = measured.cached_arrays("t", source, (1, "k"), build)
+    again = measured.cached_arrays("t", source, (1, "k"), build)
+    assert len(builds) == 1 and again["x"].tobytes() == first["x"].tobytes() and again["names"].tolist() == ["a", "bb"]
+    measured.cached_arrays("t", source, (2, "k"), build)          # another key: built
+    assert len(builds) == 2
+    for p in (tmp_path / "cache" / "kernels").iterdir():
+        p.write_bytes(b"not a zip")                              # a damaged entry: built again and rewritten
+    assert measured.cached_arrays("t", source, (1, "k"), build)["x"].tolist() == [0.1, 1 / 3] and len(builds) == 3
+    assert measured.cached_arrays("t", source, (1, "k"), build) and len(builds) == 3
+    source.write_text("m,latency\n1,0.5\n2,0.7\n")                # the table changed: a new entry
+    measured.cached_arrays("t", source, (1, "k"), build)
+    assert len(builds) == 4
+    assert not any(p.name.endswith(".tmp.npz") for p in (tmp_path / "cache" / "kernels").iterdir())
+
+
+def test_the_disk_cache_is_off_with_an_empty_directory_and_quiet_when_it_cannot_write(tmp_path, monkeypatch):
+    from simengine.cost import measured
+    source = tmp_path / "table.csv"
+    source.write_text("m\n1\n")
+    monkeypatch.setenv("SIMENGINE_CACHE_DIR", "")
+    assert measured.cached_arrays("t", source, (), lambda: {"x": np.ones(2)})["x"].tolist() == [1.0, 1.0]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SIMENGINE_CACHE_DIR", str(blocker))       # not a directory: nothing can be written there
+    assert measured.cached_arrays("t", source, (), lambda: {"x": np.zeros(1)})["x"].tolist() == [0.0]
+
+
+@needs_tables
+def test_measured_kernels_price_the_same_from_a_cold_and_a_warm_cache(tmp_path, monkeypatch):
+    from simengine.cost import measured
+    shapes = [BatchShape(num_decode=b, decode_context_tokens=b * c, num_logits=b, padded_decode=b)
+              for b, c in ((1, 100), (37, 2500), (256, 900))] + \
+             [BatchShape(prefill_chunks=[(n, p)], num_logits=1) for n, p in ((17, 0), (2048, 512), (8192, 0))]
+
+    def priced():
+        measured.gemm_sites.cache_clear()
+        return [m.step(s) for m in kernel_models("h100_sxm", "llama-3.1-70b", 4, weight_dtype="fp8")[1:]
+                for s in shapes]
+    monkeypatch.setenv("SIMENGINE_CACHE_DIR", "")
+    off = priced()
+    monkeypatch.setenv("SIMENGINE_CACHE_DIR", str(tmp_path))
+    cold, warm = priced(), priced()
+    assert off == cold == warm and len(off) == len(shapes)
+    assert {p.name.split("-")[0] for p in (tmp_path / "kernels").iterdir()} == {"gemm", "attention"}

@@ -21,15 +21,23 @@ parallel rank; all-reduce messages count elements. We read the tables (never cop
 
 An op the tables do not cover (a device, dtype, head layout, MoE shape or TP degree without rows) is priced by the
 roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
-measurements (`measured_s` in steps.csv)."""
+measurements (`measured_s` in steps.csv).
+
+Reading a table and shaping it (GEMM sites, attention grids) takes a few tenths of a second, which every new process
+would pay; the shaped arrays are therefore kept on disk (`cached_arrays`: under $SIMENGINE_CACHE_DIR, else
+$XDG_CACHE_HOME/simengine or ~/.cache/simengine; an empty SIMENGINE_CACHE_DIR turns it off), keyed by the table
+file's path, size and modification time and by what was derived, and read back bit for bit."""
 
 from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import importlib.util
 import math
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -180,16 +188,70 @@ def interp_hold(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, sol) -> np.ndarra
     return y
 
 
+# ---- shaped tables kept on disk ------------------------------------------------------------------------
+CACHE_FORMAT = 1   # bump when what a cached entry holds changes
+
+
+def cache_root() -> Path | None:
+    """Where shaped tables are kept (module docstring); None when caching is off."""
+    env = os.environ.get("SIMENGINE_CACHE_DIR")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "simengine"
+
+
+def cached_arrays(kind: str, source: Path, key: tuple, build: Callable[[], dict[str, np.ndarray]]
+                  ) -> dict[str, np.ndarray]:
+    """`build()` (named arrays derived from the table file `source` and `key`), read from the disk cache when an
+    entry for this file (path, size, modification time) and key exists, else built and stored (written aside, then
+    renamed: a reader never sees half a file). Any failure to read or write the cache just builds."""
+    root = cache_root()
+    if root is None:
+        return build()
+    st = source.stat()
+    ident = repr((CACHE_FORMAT, kind, str(source.resolve()), st.st_size, st.st_mtime_ns, key))
+    path = root / "kernels" / f"{kind}-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+    except (OSError, ValueError, EOFError, KeyError):   # absent, or unreadable: build it
+        pass
+    arrays = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return arrays
+
+
 @functools.cache
 def gemm_sites(path: Path) -> dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]]:
     """A GEMM table as per gemm dtype, (n, k) sites with their m-curves (m ascending, the first row of a repeated
-    (m, n, k) kept, latency in seconds and made monotone); cached per process."""
+    (m, n, k) kept, latency in seconds and made monotone); cached per process and on disk."""
+    z = cached_arrays("gemm", path, (), lambda: _gemm_site_arrays(path))
+    out = {}
+    for i, dtype in enumerate(z["dtypes"].tolist()):
+        n, k, bounds, m, lat = (z[f"n{i}"].tolist(), z[f"k{i}"].tolist(), z[f"bounds{i}"].tolist(), z[f"m{i}"],
+                                z[f"lat{i}"])
+        out[dtype] = {(n[j], k[j]): (m[bounds[j]:bounds[j + 1]], lat[bounds[j]:bounds[j + 1]])
+                      for j in range(len(n))}
+    return out
+
+
+def _gemm_site_arrays(path: Path) -> dict[str, np.ndarray]:
+    """gemm_sites flat: per dtype i its sites' n and k, the bounds of each site's rows, and the rows' m and
+    latency."""
     df = read_table(path)
     dtypes = df["gemm_dtype"].to_numpy(str)
     n_all, k_all, m_all = (df[c].to_numpy(np.int64) for c in ("n", "k", "m"))
     lat_all = df["latency"].to_numpy(float) * MS
-    out = {}
-    for dtype in dict.fromkeys(dtypes.tolist()):
+    names = list(dict.fromkeys(dtypes.tolist()))
+    out = {"dtypes": np.array(names, dtype=str)}
+    for i, dtype in enumerate(names):
         rows = np.flatnonzero(dtypes == dtype)
         n, k, m, lat = n_all[rows], k_all[rows], m_all[rows], lat_all[rows]
         order = np.lexsort((m, k, n))                 # stable: a repeat keeps its first row first
@@ -197,9 +259,10 @@ def gemm_sites(path: Path) -> dict[str, dict[tuple[int, int], tuple[np.ndarray, 
         new_site = np.r_[True, (n[1:] != n[:-1]) | (k[1:] != k[:-1])]
         keep = new_site | np.r_[True, m[1:] != m[:-1]]
         n, k, m, lat, new_site = n[keep], k[keep], m[keep], lat[keep], new_site[keep]
-        starts = np.flatnonzero(new_site).tolist() + [len(n)]
-        out[str(dtype)] = {(int(n[a]), int(k[a])): (m[a:b].astype(float), monotone(lat[a:b]))
-                           for a, b in zip(starts[:-1], starts[1:])}
+        starts = np.flatnonzero(new_site)
+        bounds = np.r_[starts, len(n)]
+        out[f"n{i}"], out[f"k{i}"], out[f"bounds{i}"], out[f"m{i}"] = n[starts], k[starts], bounds, m.astype(float)
+        out[f"lat{i}"] = np.concatenate([monotone(lat[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
     return out
 
 
@@ -269,6 +332,13 @@ class AttentionGrid:
             grid[:, j] = monotone(grid[:, j])
         self.bs, self.ss, self.grid = b[keep], s, grid
 
+    @classmethod
+    def shaped(cls, bs: np.ndarray, ss: np.ndarray, grid: np.ndarray, root: int) -> AttentionGrid:
+        """A grid already shaped (read back from the disk cache)."""
+        self = cls.__new__(cls)
+        self.root, self.bs, self.ss, self.grid = root, bs, ss, grid
+        return self
+
     def row(self, b: int) -> list[float]:
         """The grid's curve over lengths for batch `b`: linear between measured batches; beyond the largest, the
         time in proportion to the batch (its root-th root when the grid holds roots)."""
@@ -327,8 +397,9 @@ class MeasuredKernels(RooflineKernels):
         # FP8 checkpoints carry static activation scales: the tables' fp8 rows include computing a dynamic scale,
         # which comes off, and for GEMMs whose input the previous kernel already wrote in FP8 (O after attention,
         # down after the fused activation) the quantisation too - the package's own `fp8_static` rule
-        self.quant = {name: QuantTable(read_table(p)) for name in ("computescale", "scale_matrix")
-                      if (p := table_file(system, "quantize", self.backend, f"{name}_perf.parquet")) is not None}
+        fp8 = GEMM_DTYPES.get(work.weight_format.name) == "fp8"
+        self.quant = {name: QuantTable(read_table(p)) for name in ("computescale", "scale_matrix") if fp8
+                      and (p := table_file(system, "quantize", self.backend, f"{name}_perf.parquet")) is not None}
         self.gemm_ops = self._gemm_ops()
         self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
         heads = max(1, work.model.num_heads // work.attention_tp)
@@ -386,30 +457,37 @@ class MeasuredKernels(RooflineKernels):
             self.fallbacks[name] = ("MLA attention" if m.kv_latent_dim else "no attention table" if path is None
                                     else f"a KV cache of {w.kv_elem_bytes:g} bytes per element")
             return None
-        df = read_table(path)
-        sel = df[(df["num_heads"] == heads) & (df["num_key_value_heads"] == kv_heads)
-                 & (df["head_dim"] == m.head_dim) & (df["kv_cache_dtype"] == kv) & (df["attn_dtype"] == "bfloat16")]
-        if "window_size" in sel.columns:
-            sel = sel[sel["window_size"] == 0]
-        if sel.empty:
-            self.fallbacks[name] = f"{heads} query / {kv_heads} KV heads of {m.head_dim} not measured"
-            return None
-        length = sel["isl"] + sel["step"] if kind == "decode" else sel["isl"]
-        sel = sel.assign(length=length).drop_duplicates(["batch_size", "length"])
-        piv = sel.pivot(index="batch_size", columns="length", values="latency").sort_index().sort_index(axis=1)
-        b, s = piv.index.to_numpy(float), piv.columns.to_numpy(float)
-        lat = piv.to_numpy(float) * MS
         peak, bw, d, kvb = hw.peak(w.attn_dtype), hw.memory_bandwidth_bytes_s, m.head_dim, w.kv_elem_bytes
-        if kind == "decode":
-            def sol(bb, ss):
+        root = 1 if kind == "decode" else 2
+
+        def sol(bb, ss):   # decode: seconds; prefill: their square root (AttentionGrid's `root`)
+            if kind == "decode":
                 return max(4.0 * bb * heads * d * ss / peak,
                            bb * (4.0 * heads * d + 2.0 * kv_heads * ss * d * kvb) / bw)
-            return AttentionGrid(b, s, lat, sol)
-
-        def sqrt_sol(bb, ss):
             return math.sqrt(max(2.0 * bb * ss * ss * heads * d / peak,
                                  bb * ss * (4.0 * heads * d + 2.0 * kv_heads * d * kvb) / bw))
-        return AttentionGrid(b, s, np.sqrt(lat), sqrt_sol, root=2)
+
+        def build() -> dict[str, np.ndarray]:
+            df = read_table(path)
+            sel = df[(df["num_heads"] == heads) & (df["num_key_value_heads"] == kv_heads) & (df["head_dim"] == d)
+                     & (df["kv_cache_dtype"] == kv) & (df["attn_dtype"] == "bfloat16")]
+            if "window_size" in sel.columns:
+                sel = sel[sel["window_size"] == 0]
+            if sel.empty:
+                return {"bs": np.zeros(0), "ss": np.zeros(0), "grid": np.zeros((0, 0))}
+            length = sel["isl"] + sel["step"] if kind == "decode" else sel["isl"]
+            sel = sel.assign(length=length).drop_duplicates(["batch_size", "length"])
+            piv = sel.pivot(index="batch_size", columns="length", values="latency").sort_index().sort_index(axis=1)
+            lat = piv.to_numpy(float) * MS
+            g = AttentionGrid(piv.index.to_numpy(float), piv.columns.to_numpy(float), lat if root == 1 else
+                              np.sqrt(lat), sol, root=root)
+            return {"bs": g.bs, "ss": g.ss, "grid": g.grid}
+
+        z = cached_arrays(f"attention-{kind}", path, (heads, kv_heads, d, kv, peak, bw, kvb), build)
+        if not z["bs"].size:
+            self.fallbacks[name] = f"{heads} query / {kv_heads} KV heads of {d} not measured"
+            return None
+        return AttentionGrid.shaped(z["bs"], z["ss"], z["grid"], root)
 
     def _moe_curve(self) -> tuple[np.ndarray, np.ndarray] | None:
         w, m = self.work, self.work.model
