@@ -234,6 +234,12 @@ def main() -> None:
         "scaling_exponent": round(slope, 3),
         "ratio_10k_to_simpy_1m": round(runs[first]["seconds"] / simpy_1m, 3),
         "per_engine_seconds_10k": {e: round(r["seconds"], 3) for e, r in per_engine.items()},
+        # what each engine's run simulated: an engine serving far less than the offered rate (llama.cpp's and MLC's
+        # default slots, the static baseline's batches) runs more, smaller steps; MLC can stall (docs/engines/mlc.md)
+        "per_engine_steps_10k": {e: r["steps"] for e, r in per_engine.items()},
+        "per_engine_completed_10k": {e: r["completed"] for e, r in per_engine.items()},
+        "per_engine_us_per_step_10k": {e: round(1e6 * r["seconds"] / max(r["steps"], 1), 1)
+                                       for e, r in per_engine.items()},
         "per_engine_ratio_to_vllm": {e: round(r["seconds"] / per_engine["vllm"]["seconds"], 2)
                                      for e, r in per_engine.items()},
         # each engine against a vLLM run just before it, median of the pairs (the steadier figure on a busy machine)
@@ -269,7 +275,9 @@ def main() -> None:
     for e, s in result["per_engine_seconds_10k"].items():
         print(f"{'engine ' + e + ' seconds_10k':34s} {s:>12} ({result['per_engine_ratio_to_vllm'][e]}x vllm, "
               f"{result['per_engine_paired_ratio_to_vllm'][e]}x in pairs; "
-              f"roofline {result['per_engine_roofline_seconds_10k'][e]} s; exact {result['exact_seconds_10k'][e]} s)")
+              f"roofline {result['per_engine_roofline_seconds_10k'][e]} s; exact {result['exact_seconds_10k'][e]} s; "
+              f"{result['per_engine_steps_10k'][e]:,} steps, {result['per_engine_us_per_step_10k'][e]} us a step, "
+              f"{result['per_engine_completed_10k'][e]:,} completed)")
     print(f"wrote {args.out}")
 
 
