@@ -6,7 +6,8 @@ import pytest
 from simengine.api import run_engine
 from simengine.config.scenario import EngineEntry
 from simengine.core.request import Status
-from simengine.engines.lmdeploy import LmdeployEngine, LmdeployParams, turbomind_max_batch_size
+from simengine.engines.lmdeploy import LmdeployEngine
+from simengine.engines.lmdeploy_config import LmdeployParams, turbomind_max_batch_size
 from simengine.engines.memory import NON_TORCH_BYTES
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
