@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from simengine.config.dtypes import resolve_compute_dtype
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
@@ -45,6 +46,13 @@ MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
 # SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
 # predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
 MMQ_FLOPS_PER_SM_CYCLE = 448.0
+# ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
+# converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's
+# gemm_fraction describes. On M2 Ultra (76-core GPU, 27.2 TFLOPS FP16) LLaMA-7B F16 pp512 runs at 1265.30 tok/s
+# (ggml-org/llama.cpp PR #3084, M2 Ultra table), i.e. 2 x 6.48e9 layer weights x 1265.30 / 27.2e12 = 0.60 of the
+# FP16 peak (the step's attention and other ops, ~2%, included), where MPS reaches 0.86 (hardware/apple/*.yaml).
+# The same table has quantized weights ~8% slower (Q4_0 1164.00 tok/s: the conversion), which is not modelled.
+METAL_MUL_MM_PEAK_FRACTION = 0.60
 
 
 @dataclass(slots=True, eq=False)
@@ -101,8 +109,12 @@ class LlamaCppEngine(EnginePolicy):
         return llamacpp_speculation(params, dep)
 
     def engine_gemm_flops_s(self) -> float | None:
-        """ggml-cuda's MMQ rate for quantized weights on an NVIDIA device of known SMs and clock (else None)."""
+        """ggml's own GEMM rate where it does not call the vendor library: MMQ for quantized weights on an NVIDIA
+        device of known SMs and clock, kernel_mul_mm on Apple GPUs (else None: the device's GEMM)."""
         hw = self.dep.hardware
+        if hw.vendor == "apple":
+            return METAL_MUL_MM_PEAK_FRACTION * hw.peak(resolve_compute_dtype(self.dep.weight_format, hw.peak_flops,
+                                                                              hw.name))
         if hw.vendor != "nvidia" or self.dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
             return None
         return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s

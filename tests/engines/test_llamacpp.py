@@ -1,5 +1,7 @@
 """llama.cpp server policy driven by hand: slots, slot choice, iteration shape, ubatch forwards, KV limits."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -216,8 +218,8 @@ def test_cuda_graph_only_for_single_token_batches():
 def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     a100 = engine(make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="q4_0"))
     assert a100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 108 * 1.41e9)
-    # 16-bit weights go to cuBLAS (the device's GEMM fraction); Metal and devices of unknown SMs keep it too
-    for hw, dtype in (("a100_80g_sxm", "fp16"), ("apple_m2_ultra", "q4_0"), ("h100_sxm", "q4_0")):
+    # 16-bit weights go to cuBLAS (the device's GEMM fraction); devices of unknown SMs keep it too
+    for hw, dtype in (("a100_80g_sxm", "fp16"), ("h100_sxm", "q4_0")):
         assert engine(make_dep(hw, model="llama-2-7b", weight_dtype=dtype)).engine_gemm_flops_s() is None
     # pp512: A100 has 4.4x the RTX 3090's fp16 tensor peak but about the same SMs x clock (1.10x), and llama.cpp's
     # published prefill speeds of the two are within 2% (docs/validation.md)
@@ -248,3 +250,22 @@ def test_end_to_end_conservation_and_invariants(deployment):
     assert s["completed"] > 0 and s["prefix_cache_hit_rate"] > 0
     assert (r.steps["prefill_tokens"] + r.steps["decode_tokens"] <= 512).all()
     assert (r.steps["num_running"] <= 4).all()
+
+
+def test_apple_gpus_multiply_with_ggml_metal_kernels_not_the_mps_rate():
+    """ggml-metal's kernel_mul_mm reaches 0.60 of the FP16 peak (PR #3084's M2 Ultra F16 pp512) for every weight
+    format, below the 0.86 of Apple's MPS GEMM that the device's gemm_fraction holds: a compute-bound prefill slows
+    by their ratio, and decode (the weight stream) does not change."""
+    from simengine.engines.llamacpp import METAL_MUL_MM_PEAK_FRACTION
+    for dtype in ("q4_0", "fp16", "q8_0"):
+        eng = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype=dtype))
+        assert eng.engine_gemm_flops_s() == pytest.approx(METAL_MUL_MM_PEAK_FRACTION * 27.2e12)
+    eng = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_0"))
+    with mock.patch.object(type(eng), "engine_gemm_flops_s", lambda self: None):
+        mps = cost_model(eng)
+    metal = cost_model(eng)
+    prefill = BatchShape(prefill_chunks=[(512, 0)], num_logits=1)
+    decode = BatchShape(num_decode=1, decode_context_tokens=600, num_logits=1, padded_decode=1)
+    hw = eng.dep.hardware
+    assert metal.step(prefill).compute_s / mps.step(prefill).compute_s > 0.9 * hw.gemm_fraction("fp16") / 0.60
+    assert metal.step(decode).seconds == pytest.approx(mps.step(decode).seconds, rel=0.02)
