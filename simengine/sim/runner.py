@@ -561,11 +561,11 @@ class Runner:
                          self.decisions, self.disaggregation_summary(self.env.now), self.stalls())
 
     def stalls(self) -> list[dict]:
-        """Replicas that ended the run stuck: work in the engine, nothing it could schedule, and no step since."""
+        """Replicas that ended the run stuck: up, work in the engine, nothing it could schedule, and no step since."""
         return [{"replica": rep.index, "since_s": round(rep.stall[0], 6),
                  "requests": rep.engine.num_running() + rep.engine.num_waiting(),
                  "reason": rep.stall[1] or "no reason given"}
-                for rep in self.replicas if rep.stall is not None and rep.engine.has_work()]
+                for rep in self.replicas if rep.stall is not None and not rep.stopped and rep.engine.has_work()]
 
     def link_spans(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Busy intervals (starts, ends) of each prefill replica's send side and decode replica's receive side."""
