@@ -126,7 +126,6 @@ class _FastLoader(_Strict, getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # ty
     """libyaml's parser, the same constructors."""
 
 
-
 def _parse(cls: type, text: str, source: str) -> Any:
     loader = cls(text)
     loader.source = source

@@ -27,7 +27,6 @@ class Replica:
         self.gpu = simpy.Resource(env, capacity=1)
         self.check = check_invariants
         self._wake: simpy.Event | None = None
-        self._idle_reason = ""
         self.schedules = 0          # schedule calls so far
         # prefill/decode disaggregation (the runner sets them on pools that need them): called with the requests a
         # decode engine reserved blocks for, and with each step's output on a layerwise prefill replica
@@ -104,13 +103,15 @@ class Replica:
             with self.gpu.request() as hold:
                 yield hold
                 stalled = yield from self._busy_period()
-            if stalled and self.stall is None:
-                self.stall = (env.now, self._idle_reason)
-            if stalled:  # waiting work that cannot start until something changes (an arrival) wakes us
+            if stalled is not None:  # waiting work that cannot start until something changes (an arrival) wakes us
+                if self.stall is None:
+                    self.stall = (env.now, stalled)
                 self._wake = env.event()
                 yield self._wake
 
     def _busy_period(self):
+        """Steps back to back while the engine has work. Returns None when it ran out of work, or the engine's idle
+        reason when waiting work could not be scheduled (the replica then parks until something changes)."""
         env, engine, cost = self.env, self.engine, self.cost
         while engine.has_work():
             out = engine.schedule(env.now)
@@ -123,8 +124,7 @@ class Replica:
                                        f"({out.idle_reason or 'no reason given'})")
                 if out.rejected or out.released:   # blocks were freed: the waiting requests may fit now
                     continue
-                self._idle_reason = out.idle_reason
-                return True
+                return out.idle_reason
             self.stall = None
             c = cost.step(out.shape)
             start = env.now
@@ -134,7 +134,7 @@ class Replica:
             repeats = engine.repeat_steps(out) if engine.speculation is None and not out.shape.lora_adapters else 0
             if repeats:  # steps the engine proved identical: no schedule call
                 yield from self._repeat(out, repeats)
-        return False
+        return None
 
     def _repeat(self, out: SchedulerOutput, steps: int):
         """Run up to `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
