@@ -237,6 +237,13 @@ class EnginePolicy(ABC):
         (`context_growth`), applies them with `apply_repeats` and skips `schedule`. 0 unless an engine proves more."""
         return 0
 
+    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
+        """Whether the repeats of `out` that `repeat_steps` proved stay proved when requests arrive meanwhile: an
+        arrival only queues (no repeat's schedule call would admit it) and `add_request` reads nothing the repeats
+        change. On a replica nobody else reads, a repeat that spans an event then runs as that step instead of
+        ending the repeats. False unless an engine proves it."""
+        return False
+
     def context_growth(self, shape: BatchShape) -> int:
         """Context tokens a repeat of this decode step reads more than the step before: one per decode."""
         return shape.num_decode

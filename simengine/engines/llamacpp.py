@@ -199,6 +199,10 @@ class LlamaCppEngine(EnginePolicy):
             steps = min(steps, self._free_cells() // self.num_busy)
         return max(steps, 0)
 
+    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
+        """Every slot busy: a queued task waits for a slot whatever arrives (add_request reads only n_ctx_slot)."""
+        return True
+
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         # Invariant: a step is one ggml forward of <= n_ubatch tokens; an iteration (one token per generating

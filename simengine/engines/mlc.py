@@ -149,6 +149,11 @@ class MlcEngine(EnginePolicy):
                 hi = mid - 1
         return lo
 
+    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
+        """repeat_steps proved that no waiting request can prefill during the repeats (the batch is full, or the queue
+        head does not fit) and an arrival queues behind the head; add_request reads only the configuration."""
+        return True
+
     def _state_at(self, out: SchedulerOutput, step: int) -> tuple[int, int]:
         """(free pages, total sequence length) at the schedule call of the `step`-th repeat of decode step `out`."""
         kv = self.kv

@@ -176,6 +176,10 @@ class StaticEngine(EnginePolicy):
             return 0
         return max(0, min(r.output_len - 1 - r.num_output_tokens for r, _ in out.scheduled))
 
+    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
+        """A formed batch admits nobody until it is done (add_request reads only the configuration)."""
+        return True
+
     def context_growth(self, shape: BatchShape) -> int:
         return shape.padded_decode  # every row, padding included, reads one more token
 

@@ -38,6 +38,9 @@ class Replica:
         self.stopped = False
         # the engine scheduled nothing with work waiting and has run no step since: (since when, its reason)
         self.stall: tuple[float, str] | None = None
+        # whether anyone but arrivals reads the engine in the middle of a step (a router choosing among replicas, load
+        # reports, disaggregation: every run of more than one replica); the runner clears it for a replica alone
+        self.watched = True
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -139,14 +142,18 @@ class Replica:
     def _repeat(self, out: SchedulerOutput, steps: int):
         """Run up to `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
         simulation (so nothing can look at the engine meanwhile) are applied together under one timeout, at the
-        times one timeout a step would give. At the first repeat that someone else could watch (an arrival, a router
-        reading the engine's KV) or whose end the clock cannot land on, the engine schedules again: a schedule call
-        takes the step's KV at its start, where applying a repeat takes it at its end."""
-        env, shape = self.env, out.shape
+        times one timeout a step would give. The first repeat that someone else could watch (an arrival, a router
+        reading the engine's KV) or whose end one timeout cannot land on ends the repeats, and the engine schedules
+        again: a schedule call takes the step's KV at its start, where applying a repeat takes it at its end. Unless
+        nobody else reads the engine (not `watched`) and the engine proves that arrivals change none of its repeats
+        (`repeats_outlast_arrivals`): that repeat then runs as a step of its own, applied at its end after the others
+        acted, and the repeats go on."""
+        env, shape, engine = self.env, out.shape, self.engine
         ctx = shape.decode_context_tokens
-        growth = self.engine.context_growth(shape)
+        growth = engine.context_growth(shape)
         costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
         seconds = costs[:, 0]
+        outlast = not self.watched and engine.repeats_outlast_arrivals(out)
         i = 0
         while i < steps:
             start, next_event = env.now, env.peek()
@@ -159,7 +166,12 @@ class Replica:
                 yield env.timeout(float(ends[k - 1]) - start)
                 i += k
             if k < len(window):
-                break
+                if not outlast:
+                    break
+                start = env.now   # the step the exact path schedules now, timed and applied as it applies it
+                yield env.timeout(float(seconds[i]))
+                self._complete_repeats(out, costs[i:i + 1], start, np.array([env.now]))
+                i += 1
         shape.decode_context_tokens = ctx + growth * i
 
     def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
@@ -169,6 +181,14 @@ class Replica:
         k = len(ends)
         usages = engine.apply_repeats(out, ends.tolist())
         shape, n = out.shape, len(out.scheduled)
+        if k == 1:   # the same row, built as _complete builds its own (cheaper than an array for one)
+            end = float(ends[0])
+            self.recorder.step((self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode,
+                                engine.num_running(), engine.num_waiting(), usages[0], 0, *costs[0].tolist(),
+                                shape.cuda_graph, n, 0), end, {start: n})
+            if self.check:
+                engine.check_invariants()
+            return
         rows = np.empty((k, len(STEP_FIELDS)))  # _complete's row, column by column
         rows[:, 0] = self.index
         rows[0, 1] = start

@@ -127,6 +127,7 @@ class Runner:
         else:
             replica = Replica(self.env, i, eng, cost, self.recorder, self._on_done,
                               check_invariants=self.check_invariants)
+        replica.watched = len(self.engines) > 1
         if pool.role == "decode":
             replica.on_kv_reserved = self._kv_reserved
         return replica

@@ -10,7 +10,8 @@
   batch size, block size, prefix caching, async and stateful sessions) run with the cohort off (every request walked
   every step) and on.
 * Repeated steps (`EnginePolicy.repeat_steps`: every engine that overrides it, llama.cpp, MLC and the static
-  baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled).
+  baseline): random scenarios run with the engine's proof of repeated steps and with none (every step scheduled);
+  on a replica alone the repeats run through arrivals (`repeats_outlast_arrivals`).
 * Private tokens (`Request.private_from`, set by the generator's `mark_private`): every engine with a prefix cache
   on the paged KV manager runs random scenarios with the fresh draws marked private and not.
 The request rows, the step rows, the inter-token gaps and the detailed requests' token times must be equal.
@@ -289,6 +290,29 @@ def test_repeated_steps_are_used_and_equal_on_a_busy_run():
             fast = api.run_engine(sc, sc.engines[0])
         _assert_same(fast, _run_without_repeats(sc, engine))
         assert len(calls) < 0.2 * len(fast.steps), f"{engine}: {len(calls)} schedule calls for {len(fast.steps)} steps"
+
+
+def test_repeats_run_through_arrivals_on_a_replica_alone():
+    """An arrival in the middle of repeats (llama.cpp's slots all busy, a static batch, MLC's queue blocked) only
+    queues: on a replica nobody else reads, the repeat that spans it runs as its step and the repeats go on. Fewer
+    schedule calls than when arrivals end the repeats, and the same figures as every step scheduled; with two
+    replicas (a router reads both) arrivals end the repeats."""
+    for engine in REPEATING:
+        sc = _busy(engine, 60, {})
+        cls = ENGINES.get(engine)
+        assert cls.repeats_outlast_arrivals is not EnginePolicy.repeats_outlast_arrivals, engine
+        calls: dict[bool, int] = {}
+        for outlast in (True, False):
+            runner = Runner(sc, sc.engines[0])
+            with mock.patch.object(cls, "repeats_outlast_arrivals", lambda self, out, v=outlast: v):
+                runner.run()
+            calls[outlast] = runner.replicas[0].schedules
+        assert calls[True] < calls[False], f"{engine}: {calls}"
+        _assert_same(api.run_engine(sc, sc.engines[0]), _run_without_repeats(sc, engine))
+    two = dataclasses.replace(sc, deployment=dataclasses.replace(sc.deployment, replicas=2))
+    runner = Runner(two, two.engines[0])
+    assert all(rep.watched for rep in runner.replicas)
+    assert not Runner(sc, sc.engines[0]).replicas[0].watched
 
 
 def test_repeats_leave_the_engine_counters_as_steps_do():
