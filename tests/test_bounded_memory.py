@@ -168,3 +168,30 @@ def test_reason_codes_follow_first_appearance_so_a_run_summarises_alike_in_every
     counts = np.zeros(len(rec.strings), dtype=np.int64)
     counts[[rec.strings.index(r) for r in reasons]] = 1
     assert summary.failure_reasons(rec.strings, counts) == {reasons[0]: 40}
+
+
+@given(calls=st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3)), max_size=40),
+       chunk_rows=st.sampled_from([1, 2, 3, 5, 1 << 16]), budget=st.sampled_from([0, 1 << 30]))
+def test_step_rows_and_gaps_come_back_in_order_however_chunked(calls, chunk_rows, budget):
+    """Single steps (with 0-3 gap groups) and runs of steps (one group each) interleaved: the rows and the gaps come
+    back in the order recorded, whatever the chunk size and wherever the chunks are kept."""
+    rec = recorder.Recorder(Spill(budget_bytes=budget), chunk_rows=chunk_rows)
+    width = len(recorder.STEP_FIELDS)
+    rows, gaps = [], []
+    for block, k, groups in calls:
+        if block:
+            values = np.arange(len(rows), len(rows) + k, dtype=float)[:, None] + np.zeros((k, width))
+            rec.steps(values, values[:, 0] * 0.5, np.full(k, 7, dtype=np.int64))
+            rows.extend(values[:, 0])
+            gaps.extend((v * 0.5, 7) for v in values[:, 0])
+        else:
+            now = float(len(rows))
+            itl = {now - 0.25 * (j + 1): j + 1 for j in range(groups)}
+            rec.step(tuple([now] * width), now, itl)
+            rows.append(now)
+            gaps.extend((now - prev, count) for prev, count in itl.items())
+    assert rec.num_steps == len(rows)
+    got = np.concatenate([c["replica"] for c in rec.step_rows()] or [np.empty(0)])
+    assert got.tolist() == rows
+    itl = [(float(v), int(t)) for c in rec.itl_rows() for v, t in zip(c["gap_s"], c["tokens"])]
+    assert itl == gaps

@@ -1,5 +1,6 @@
-"""Append-only recording for the hot loop: compact typed columns (array module) flushed in chunks of numpy rows that
-stay in memory up to a budget and go to temporary files past it (metrics/chunks.py); no pandas here."""
+"""Append-only recording for the hot loop: compact typed columns (array module) and chunk-sized numpy buffers, flushed
+in chunks of numpy rows that stay in memory up to a budget and go to temporary files past it (metrics/chunks.py); no
+pandas here."""
 
 from __future__ import annotations
 
@@ -43,16 +44,15 @@ class Recorder:
     def __init__(self, spill: Spill | None = None, chunk_rows: int | None = None):
         self.spill = spill if spill is not None else Spill()
         self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
-        self._step_values_per_chunk = self.chunk_rows * len(STEP_FIELDS)   # checked after every step
         self.request_chunks = Chunks("requests", REQUEST_DTYPE, self.spill)
         self.step_chunks = Chunks("steps", STEP_DTYPE, self.spill)
         self.itl_chunks = Chunks("itl", ITL_DTYPE, self.spill)
         self._strings: list[str] = [*STATUSES, ""]
         self._codes = {s: i for i, s in enumerate(self._strings)}
         self._request_cols: list[Any] = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
-        self._step_rows = array("d")  # STEP_FIELDS flattened row after row (one C-level extend per step)
-        self._itl_values = array("d")
-        self._itl_counts = array("q")
+        # step rows and inter-token gap groups gather in buffers of a chunk's size, written in place (an array grown
+        # step by step is copied each time it outgrows its memory, which costs more than the writes)
+        self._new_step_buffers()
         self.arrived = 0
         self.token_times: dict[int, array] = {}  # request id -> its output tokens' times (detailed requests only)
 
@@ -72,27 +72,44 @@ class Recorder:
     def finished(self, req: Request, replica: int) -> None:
         self.request(req, replica, "completed" if req.status is Status.FINISHED else "failed")
 
+    def _new_step_buffers(self) -> None:
+        self._steps = np.empty((self.chunk_rows, len(STEP_FIELDS)))
+        self._num_steps = 0
+        self._gaps = np.empty(2 * self.chunk_rows)   # usually one group a step; a flush makes room for more
+        self._gap_tokens = np.empty(2 * self.chunk_rows, dtype=np.int64)
+        self._num_gaps = 0
+
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
         """`row` holds the STEP_FIELDS in order (integers and flags are exact in a double)."""
-        self._step_rows.extend(row)
-        if len(itl_groups) == 1:  # the usual case: every decode's previous token came from the previous step
-            for prev, count in itl_groups.items():
-                self._itl_values.append(now - prev)
-                self._itl_counts.append(count)
-        elif itl_groups:
-            self._itl_values.extend([now - prev for prev in itl_groups])
-            self._itl_counts.extend(itl_groups.values())
-        if len(self._step_rows) >= self._step_values_per_chunk:
+        i, g = self._num_steps, self._num_gaps
+        if g + len(itl_groups) > len(self._gaps):
+            self._flush_steps()
+            i = g = 0
+            if len(itl_groups) > len(self._gaps):   # more groups in one step than a buffer holds (tiny chunks)
+                self._gaps, self._gap_tokens = np.empty(len(itl_groups)), np.empty(len(itl_groups), dtype=np.int64)
+        self._steps[i] = row
+        for prev, count in itl_groups.items():
+            self._gaps[g] = now - prev
+            self._gap_tokens[g] = count
+            g += 1
+        self._num_steps, self._num_gaps = i + 1, g
+        if i + 1 == self.chunk_rows:
             self._flush_steps()
 
     def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
         """Several steps at once: one row of STEP_FIELDS each (float64), one inter-token gap group each (float64
         values, int64 counts)."""
-        self._step_rows.frombytes(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
-        self._itl_values.frombytes(np.ascontiguousarray(itl_values, dtype=np.float64).tobytes())
-        self._itl_counts.frombytes(np.ascontiguousarray(itl_counts, dtype=np.int64).tobytes())
-        if len(self._step_rows) >= self._step_values_per_chunk:
-            self._flush_steps()
+        done, n = 0, len(rows)
+        while done < n:
+            i, g = self._num_steps, self._num_gaps
+            k = min(n - done, self.chunk_rows - i, len(self._gaps) - g)
+            self._steps[i:i + k] = rows[done:done + k]
+            self._gaps[g:g + k] = itl_values[done:done + k]
+            self._gap_tokens[g:g + k] = itl_counts[done:done + k]
+            self._num_steps, self._num_gaps = i + k, g + k
+            done += k
+            if i + k == self.chunk_rows or g + k == len(self._gaps):
+                self._flush_steps()
 
     def _code(self, s: str) -> int:
         code = self._codes.get(s)
@@ -117,15 +134,18 @@ class Recorder:
         self._request_cols = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
 
     def _flush_steps(self) -> None:
-        if len(self._step_rows):
-            self.step_chunks.append(np.frombuffer(self._step_rows, dtype=STEP_DTYPE))
-            self._step_rows = array("d")
-        if len(self._itl_values):
-            gaps = np.empty(len(self._itl_values), dtype=ITL_DTYPE)
-            gaps["gap_s"] = np.frombuffer(self._itl_values, dtype=np.float64)
-            gaps["tokens"] = np.frombuffer(self._itl_counts, dtype=np.int64)
-            self.itl_chunks.append(gaps)
-            self._itl_values, self._itl_counts = array("d"), array("q")
+        n, g = self._num_steps, self._num_gaps
+        if not n and not g:
+            return
+        steps, gaps, tokens = self._steps, self._gaps, self._gap_tokens
+        self._new_step_buffers()
+        if n:   # a full buffer becomes the chunk; part of one is copied, so a chunk holds no unused memory
+            block = steps if n == len(steps) else steps[:n].copy()
+            self.step_chunks.append(block.view(STEP_DTYPE).reshape(n))
+        if g:
+            rows = np.empty(g, dtype=ITL_DTYPE)
+            rows["gap_s"], rows["tokens"] = gaps[:g], tokens[:g]
+            self.itl_chunks.append(rows)
 
     def flush(self) -> None:
         """Move every buffered row to the chunks (the readers below do it first)."""
@@ -164,7 +184,7 @@ class Recorder:
 
     @property
     def num_steps(self) -> int:
-        return self.step_chunks.rows + len(self._step_rows) // len(STEP_FIELDS)
+        return self.step_chunks.rows + self._num_steps
 
     @property
     def num_requests(self) -> int:
