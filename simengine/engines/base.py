@@ -49,6 +49,9 @@ class EnginePolicy(ABC):
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
     supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
+    # repeat_steps may count a last repeat in which requests finish (or stop at a length), applied by update: the
+    # engine's schedule call for it would change nothing update does not
+    last_repeat_by_update: ClassVar[bool] = False
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False
@@ -234,7 +237,8 @@ class EnginePolicy(ABC):
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode
         token each, none finishing, no scheduling decision an arrival could change). The replica then prices them
-        (`context_growth`), applies them with `apply_repeats` and skips `schedule`. 0 unless an engine proves more."""
+        (`context_growth`), applies them with `apply_repeats` and skips `schedule`. 0 unless an engine proves more.
+        With `last_repeat_by_update`, requests may finish in the last of them, which the replica applies by `update`."""
         return 0
 
     def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:

@@ -77,6 +77,7 @@ class LlamaCppEngine(EnginePolicy):
     support_source = ("llama.cpp README 'Supported backends' + docs/build.md: CUDA (incl. Jetson), HIP (AMD), Metal "
                       "(Apple), SYCL/Vulkan (Intel GPUs), OpenCL (Qualcomm Adreno, docs/backend/OPENCL.md), CANN "
                       "(Ascend NPU); no Gaudi backend")
+    last_repeat_by_update = True   # planning the iteration again reads the slots and changes none
 
     def __init__(self, params: LlamaCppParams, dep: Deployment):
         llamacpp_check_deployment(dep)
@@ -183,9 +184,9 @@ class LlamaCppEngine(EnginePolicy):
         return [(used + busy * i) / self.n_ctx for i in range(1, len(ends) + 1)]
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
-        """Every slot busy and decoding, the iteration one forward: until a slot finishes, stops at n_ctx_slot
-        or the unified cells run short, each iteration is the same one-token-per-slot forward and no queued task
-        can take a slot."""
+        """Every slot busy and decoding, the iteration one forward: up to the iteration in which a slot finishes or
+        stops at n_ctx_slot (applied by update), or until the unified cells run short, each iteration is the same
+        one-token-per-slot forward and no queued task can take a slot."""
         if (self.plan or self.num_busy < self.n_parallel or len(out.scheduled) != self.num_busy
                 or out.shape.prefill_chunks):  # a prompt's last token was a prefill chunk, not yet a decode
             return 0
@@ -194,7 +195,7 @@ class LlamaCppEngine(EnginePolicy):
             out_tokens = req.num_output_tokens
             if n != 1 or not out_tokens or req.status is not Status.RUNNING:
                 return 0
-            steps = min(steps, req.output_len - 1 - out_tokens, self.n_ctx_slot - 1 - req.prompt_len - out_tokens)
+            steps = min(steps, req.output_len - out_tokens, self.n_ctx_slot - req.prompt_len - out_tokens)
         if self.kv_unified:  # each iteration needs one free cell per slot
             steps = min(steps, self._free_cells() // self.num_busy)
         return max(steps, 0)

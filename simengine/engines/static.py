@@ -48,6 +48,7 @@ class StaticEngine(EnginePolicy):
     research_baseline = True
     support_source = ("research/baseline policy, not a product: PyTorch + transformers run on CUDA, ROCm, Ascend "
                       "(torch_npu), Apple MPS, Intel XPU/Gaudi and CPUs (transformers installation docs)")
+    last_repeat_by_update = True   # a decode step of the formed batch only describes it
 
     def __init__(self, params: StaticParams, dep: Deployment):
         self.step_token_limit, self.batch_size_limit = None, params.batch_size
@@ -171,10 +172,11 @@ class StaticEngine(EnginePolicy):
                                num_logits=rows)
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
-        """A running batch decodes in lockstep: until its next member finishes, every step is the same."""
+        """A running batch decodes in lockstep: up to the step in which its next member finishes (applied by update),
+        every step is the same."""
         if not self.batch or not out.shape.num_decode:
             return 0
-        return max(0, min(r.output_len - 1 - r.num_output_tokens for r, _ in out.scheduled))
+        return max(0, min(r.output_len - r.num_output_tokens for r, _ in out.scheduled))
 
     def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
         """A formed batch admits nobody until it is done (add_request reads only the configuration)."""

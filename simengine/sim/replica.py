@@ -147,17 +147,19 @@ class Replica:
         again: a schedule call takes the step's KV at its start, where applying a repeat takes it at its end. Unless
         nobody else reads the engine (not `watched`) and the engine proves that arrivals change none of its repeats
         (`repeats_outlast_arrivals`): that repeat then runs as a step of its own, applied at its end after the others
-        acted, and the repeats go on."""
+        acted, and the repeats go on. Where requests may finish in the last repeat (`last_repeat_by_update`), it
+        runs as a step of its own, applied by `update` as any step is."""
         env, shape, engine = self.env, out.shape, self.engine
         ctx = shape.decode_context_tokens
         growth = engine.context_growth(shape)
         costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
         seconds = costs[:, 0]
         outlast = not self.watched and engine.repeats_outlast_arrivals(out)
+        bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
         i = 0
-        while i < steps:
+        while i < bulk:
             start, next_event = env.now, env.peek()
-            window = seconds[i:i + REPEAT_WINDOW]
+            window = seconds[i:min(i + REPEAT_WINDOW, bulk)]
             ends = np.cumsum(np.concatenate(([start], window)))[1:]  # one addition a step, in order, as timeouts add
             fits = (ends < next_event) & (start + (ends - start) == ends)  # before anyone else acts; lands exactly
             k = len(window) if fits.all() else int(fits.argmin())
@@ -172,6 +174,12 @@ class Replica:
                 yield env.timeout(float(seconds[i]))
                 self._complete_repeats(out, costs[i:i + 1], start, np.array([env.now]))
                 i += 1
+        if i == bulk < steps and (outlast or env.now + seconds[i] < env.peek()):
+            start = env.now
+            yield env.timeout(float(seconds[i]))
+            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape), StepCost(*costs[i].tolist()),
+                           start, env.now)
+            i += 1
         shape.decode_context_tokens = ctx + growth * i
 
     def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
