@@ -14,8 +14,6 @@ from simengine.engines.base import EnginePolicy
 from simengine.metrics.recorder import STEP_FIELDS, Recorder
 from simengine.sim.links import Link
 
-REPEAT_WINDOW = 512  # repeats priced per landing check: bounds the work when a long run is cut short often
-
 
 class Replica:
     """Runs one engine policy. Idle, it parks on an event that `submit` triggers (no polling)."""
@@ -156,18 +154,25 @@ class Replica:
         seconds = costs[:, 0]
         outlast = not self.watched and engine.repeats_outlast_arrivals(out)
         bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
-        i = 0
+        ends = np.cumsum(np.concatenate(([env.now], seconds)))  # ends[j]: repeat j - 1's end; one addition a step,
+        i = 0                                                    # in order, as timeouts add
         while i < bulk:
-            start, next_event = env.now, env.peek()
-            window = seconds[i:min(i + REPEAT_WINDOW, bulk)]
-            ends = np.cumsum(np.concatenate(([start], window)))[1:]  # one addition a step, in order, as timeouts add
-            fits = (ends < next_event) & (start + (ends - start) == ends)  # before anyone else acts; lands exactly
-            k = len(window) if fits.all() else int(fits.argmin())
+            start = env.now   # ends[i]
+            k = int(np.searchsorted(ends[i + 1:bulk + 1], env.peek()))   # the repeats that end before anyone acts
+            span = outlast and i + k < bulk   # the next one runs on through the event (applied after it)
+            while k + span and start + (ends[i + k + span] - start) != ends[i + k + span]:   # one timeout lands
+                if span:                                                                    # where steps end
+                    span = False
+                else:
+                    k -= 1
             if k:
-                self._complete_repeats(out, costs[i:i + k], start, ends[:k])
-                yield env.timeout(float(ends[k - 1]) - start)
-                i += k
-            if k < len(window):
+                self._complete_repeats(out, costs[i:i + k], start, ends[i + 1:i + k + 1])
+            if k + span:
+                yield env.timeout(float(ends[i + k + span]) - start)
+            if span:
+                self._complete_repeats(out, costs[i + k:i + k + 1], float(ends[i + k]), ends[i + k + 1:i + k + 2])
+            i += k + span
+            if i < bulk and not span:   # cut short by an event or by where a timeout lands
                 if not outlast:
                     break
                 start = env.now   # the step the exact path schedules now, timed and applied as it applies it
