@@ -400,6 +400,18 @@ def test_a_run_cut_off_mid_step_leaves_the_vllm_cohort_s_blocks_in_their_tables(
     fuzz_one("vllm", data, 0, {"batch": None, "tokens": None})
 
 
+def test_a_run_cut_off_mid_step_leaves_sglang_s_slots_ahead_by_that_step():
+    """Found by `make test`'s random scenarios: the drain ends while a decode step is in flight. SGLang took that
+    step's slots when it scheduled it, so a running request holds its computed tokens plus the step's."""
+    data = {"name": "fuzz", "seed": 3, "horizon_s": 2.0, "drain_s": 0.5,
+            "deployment": {"hardware": "l4", "model": "llama-3.1-8b", "replicas": 1, "router": "round_robin"},
+            "workload": {"input_tokens": {"dist": "constant", "value": 1},
+                         "output_tokens": {"dist": "constant", "value": 64}, "shared_prefix_tokens": 0,
+                         "arrival": {"process": "poisson", "rate": 0.5}, "num_requests": 1},
+            "engines": ["sglang"]}
+    fuzz_one("sglang", data, 0, {"batch": None, "tokens": None})
+
+
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_invariants_every_engine_tight_memory(engine):
     """Each engine once, deterministically: sessions with a shared prefix on a KV pool near the largest request."""
