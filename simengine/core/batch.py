@@ -1,4 +1,4 @@
-"""What one engine step computes: the scheduler's output and the batch shape the cost model prices."""
+"""One engine step: the scheduler's output, the batch shape the cost model prices, and what the step produced."""
 
 from __future__ import annotations
 
@@ -65,3 +65,13 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step produced: finished requests, and inter-token gaps grouped as {previous token time: count}."""
+
+    finished: list[Request] = field(default_factory=list)
+    itl_groups: dict[float, int] = field(default_factory=dict)
+    num_first_tokens: int = 0
+    num_accepted: int = 0       # speculative drafts accepted (tokens streamed beside each request's own one)

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from simengine.core.batch import BatchShape, SchedulerOutput
+from simengine.core.batch import BatchShape, SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
 from simengine.engines.decode_cohort import DecodeCohort
@@ -20,19 +19,7 @@ from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation, with_proposer
 from simengine.kvcache.host_tier import DISK_READ_BYTES_S, DISK_READ_LATENCY_S
-from simengine.kvcache.manager import KVCacheManager
-from simengine.kvcache.radix import RadixCache
 from simengine.registry import Registry
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step produced: finished requests, and inter-token gaps grouped as {previous token time: count}."""
-
-    finished: list[Request] = field(default_factory=list)
-    itl_groups: dict[float, int] = field(default_factory=dict)
-    num_first_tokens: int = 0
-    num_accepted: int = 0       # speculative drafts accepted (tokens streamed beside each request's own one)
 
 
 class EnginePolicy(ABC):
@@ -49,9 +36,7 @@ class EnginePolicy(ABC):
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
     supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
-    # repeat_steps may count a last repeat in which requests finish (or stop at a length), applied by update: the
-    # engine's schedule call for it would change nothing update does not
-    last_repeat_by_update: ClassVar[bool] = False
+    last_repeat_by_update: ClassVar[bool] = False   # repeat_steps may count the step a request finishes in (below)
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False
@@ -238,14 +223,13 @@ class EnginePolicy(ABC):
         """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode
         token each, none finishing, no scheduling decision an arrival could change). The replica then prices them
         (`context_growth`), applies them with `apply_repeats` and skips `schedule`. 0 unless an engine proves more.
-        With `last_repeat_by_update`, requests may finish in the last of them, which the replica applies by `update`."""
+        With `last_repeat_by_update`, requests may finish in the last of them, which the replica applies by `update`
+        (where the engine's schedule call for that step would change nothing `update` does not)."""
         return 0
 
     def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
-        """Whether the repeats of `out` that `repeat_steps` proved stay proved when requests arrive meanwhile: an
-        arrival only queues (no repeat's schedule call would admit it) and `add_request` reads nothing the repeats
-        change. On a replica nobody else reads, a repeat that spans an event then runs as that step instead of
-        ending the repeats. False unless an engine proves it."""
+        """Whether the repeats of `out` stay proved when requests arrive meanwhile (an arrival only queues, and
+        `add_request` reads nothing they change): on a replica alone, the repeat an event falls in then runs on."""
         return False
 
     def context_growth(self, shape: BatchShape) -> int:
@@ -411,95 +395,6 @@ class EnginePolicy(ABC):
         if req.first_scheduled_s < 0:
             req.first_scheduled_s = now
         req.status = Status.RUNNING
-
-
-class PagedEngine(EnginePolicy):
-    """Queue views shared by engines that keep a `running` list, a `waiting` queue and a paged `kv`
-    (KVCacheManager). Subclasses create those three in __init__."""
-
-    running: list[Request]
-    waiting: Any   # a deque, list or heap, as the engine keeps its queue
-    kv: KVCacheManager
-
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def kv_usage(self) -> float:
-        return self.kv.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.kv.block_size
-
-    def prefix_cache_tokens(self) -> tuple[int, int]:
-        return self.kv.query_tokens, self.kv.hit_tokens
-
-    def host_tier_stats(self) -> dict | None:
-        """The KV offload tier's figures (None without one): capacity and blocks held, stored and loaded back,
-        and the prompt tokens found there."""
-        host = self.kv.host
-        return None if host is None else host.stats(self.kv.host_hit_tokens,
-                                                    self.kv.block_size * self.dep.kv_bytes_per_token_per_device)
-
-    def release(self, req: Request) -> None:
-        self.running.remove(req)
-        if req.hold_kv:   # P/D prefill side: the blocks stay until the decode replica has pulled them
-            self.held[req.request_id] = req
-        else:
-            self.kv.free(req)
-
-    def free_kv(self, req: Request) -> None:
-        self.kv.free(req)
-
-    def admit_head(self, n: int, now: float, out: SchedulerOutput) -> Request:
-        """Move the head of a deque `waiting` (blocks already allocated, no prefix hit) to running with `n` tokens
-        this step (Orca, Sarathi, generic)."""
-        req = self.waiting.popleft()
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = 0
-        self.mark_scheduled(req, now)
-        self.running.append(req)
-        out.scheduled.append((req, n))
-        return req
-
-    def drop_for_recompute(self, req: Request, out: SchedulerOutput, cached_tokens: int | None = None) -> None:
-        """Recompute preemption: free the request's KV and progress (the full blocks of its first `cached_tokens`,
-        default all computed, may stay in the prefix cache); the caller requeues it where its engine does."""
-        self.kv.free(req, cached_tokens)
-        req.num_computed_tokens = 0
-        req.status = Status.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(req)
-
-    def check_invariants(self) -> None:
-        self.kv.pool.check_invariants()
-        if self.kv.host is not None:
-            self.kv.host.check_invariants()
-        held = {b for reqs in (self.running, self.held.values()) for r in reqs
-                for b in self.kv.req_blocks.get(r.request_id, ())}
-        assert len(held) <= self.kv.pool.num_used  # prefix-shared blocks count once
-        for r in self.running:  # the manager's fast path never lets tokens past the blocks a request holds
-            assert r.kv_settled_tokens <= self.kv.num_blocks_of(r) * self.kv.block_size, "settled past blocks"
-        if self.batch_size_limit is not None:
-            assert len(self.running) <= self.batch_size_limit
-
-
-class RadixCacheViews:
-    """KV views of engines whose KV is a token radix cache in `self.cache` (SGLang, TGI)."""
-
-    cache: RadixCache
-
-    def kv_usage(self) -> float:
-        return self.cache.usage()
-
-    def kv_capacity_tokens(self) -> int:
-        return self.cache.capacity
-
-    def prefix_cache_tokens(self) -> tuple[int, int]:
-        return self.cache.query_tokens, self.cache.hit_tokens
 
 
 ENGINES: Registry[EnginePolicy] = Registry("engine")

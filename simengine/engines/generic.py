@@ -26,9 +26,10 @@ from simengine.config.loader import (
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.base import ENGINES
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.paged import PagedEngine
 from simengine.kvcache.manager import KVCacheManager
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from simengine.config.dtypes import resolve_compute_dtype
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s
 from simengine.engines.llamacpp_config import (
     MIB,

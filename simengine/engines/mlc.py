@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import Deployment
 from simengine.engines.mlc_config import MlcParams, mlc_engine_config

@@ -30,10 +30,11 @@ from simengine.config.loader import (
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.paged import PagedEngine
 from simengine.errors import InputError
 from simengine.kvcache.manager import KVCacheManager
 

@@ -8,20 +8,20 @@ from 0.7 to 0.098 over 600 decode steps and jumps back after a retraction; a dec
 the request with the fewest outputs (tie: longest prompt), which recomputes later. Token-granular radix cache:
 prompts are inserted as prefill progresses, whole sequences at finish; LRU eviction of unlocked leaves.
 Speed device (docs/performance.md): steady decodes advance in a DecodeCohort on decode steps (`schedule_lockstep`)
-unless speculation, mixed chunks, adapters, the host tier or pipeline stages are on; a decode step that must retract
-dissolves it first.
+unless speculation, mixed chunks, adapters, the host tier or pipeline stages are on (a retraction dissolves it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, RadixCacheViews, StepResult
+from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
+from simengine.engines.paged import RadixCacheViews
 from simengine.engines.sglang_config import (
     SglangParams,
     sglang_adapter_slots,
@@ -387,9 +387,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         self.check_cohort(self.running)
         if self.cohort is not None:   # slots taken at scheduling: with a step in flight (a run cut off), its tokens too
             ahead = {r.request_id: n for r, n in self.in_flight.scheduled} if self.in_flight is not None else {}
-            assert all(self.holds[r.request_id].cached + self.holds[r.request_id].private
-                       == r.num_computed_tokens + ahead.get(r.request_id, 0)
-                       for r in self.running), "a running request's slots are not its computed tokens"
+            assert all(h.cached + h.private == r.num_computed_tokens + ahead.get(r.request_id, 0) for r in self.running
+                       for h in (self.holds[r.request_id],)), "a running request's slots are not its computed tokens"
         self.cache.check_invariants()
         if self.host is not None:
             self.host.tier.check_invariants()

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from simengine.config.loader import Checked, Sequences
-from simengine.core.batch import BatchShape, SchedulerOutput
+from simengine.core.batch import BatchShape, SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, ALL_VENDORS
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
 

@@ -22,12 +22,13 @@ from itertools import islice
 from typing import Annotated, Literal
 
 from simengine.config.loader import Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, EnginePolicy, RadixCacheViews, StepResult
+from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.paged import RadixCacheViews
 from simengine.engines.speculative import AcceptanceDataset, AcceptanceKnobs, AcceptanceRates, Speculation, resolve
 from simengine.kvcache.radix import RadixCache, RadixHold
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 from bisect import insort
 from itertools import islice
 
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine, StepResult
+from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import Deployment
+from simengine.engines.paged import PagedEngine
 from simengine.engines.speculative import Speculation
 from simengine.engines.trtllm_capacity import CompletionReservations, MicroBatchBudget, arrival_order
 from simengine.engines.trtllm_config import (

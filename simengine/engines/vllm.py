@@ -19,10 +19,11 @@ from typing import ClassVar
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
-from simengine.engines.base import ENGINES, PagedEngine
+from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
+from simengine.engines.paged import PagedEngine
 from simengine.engines.speculative import Speculation, resolve
 from simengine.engines.vllm_config import VllmParams, vllm_batch_defaults, vllm_capture_sizes, vllm_kv_cache
 from simengine.errors import InputError
