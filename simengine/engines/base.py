@@ -37,6 +37,9 @@ class EnginePolicy(ABC):
     supports_expert_parallel: ClassVar[bool] = False
     supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
     last_repeat_by_update: ClassVar[bool] = False   # repeat_steps may count the step a request finishes in (below)
+    # an arrival during proved repeats only queues, and add_request reads nothing they change: on a replica alone,
+    # the repeat an arrival falls in runs on (sim/replica.py _repeat)
+    repeats_outlast_arrivals: ClassVar[bool] = False
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
     supports_pipeline_microbatches: ClassVar[bool] = False
@@ -226,11 +229,6 @@ class EnginePolicy(ABC):
         With `last_repeat_by_update`, requests may finish in the last of them, which the replica applies by `update`
         (where the engine's schedule call for that step would change nothing `update` does not)."""
         return 0
-
-    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
-        """Whether the repeats of `out` stay proved when requests arrive meanwhile (an arrival only queues, and
-        `add_request` reads nothing they change): on a replica alone, the repeat an event falls in then runs on."""
-        return False
 
     def context_growth(self, shape: BatchShape) -> int:
         """Context tokens a repeat of this decode step reads more than the step before: one per decode."""

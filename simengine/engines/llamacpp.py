@@ -78,6 +78,7 @@ class LlamaCppEngine(EnginePolicy):
                       "(Apple), SYCL/Vulkan (Intel GPUs), OpenCL (Qualcomm Adreno, docs/backend/OPENCL.md), CANN "
                       "(Ascend NPU); no Gaudi backend")
     last_repeat_by_update = True   # planning the iteration again reads the slots and changes none
+    repeats_outlast_arrivals = True   # every slot busy: a queued task waits (add_request reads only n_ctx_slot)
 
     def __init__(self, params: LlamaCppParams, dep: Deployment):
         llamacpp_check_deployment(dep)
@@ -199,10 +200,6 @@ class LlamaCppEngine(EnginePolicy):
         if self.kv_unified:  # each iteration needs one free cell per slot
             steps = min(steps, self._free_cells() // self.num_busy)
         return max(steps, 0)
-
-    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
-        """Every slot busy: a queued task waits for a slot whatever arrives (add_request reads only n_ctx_slot)."""
-        return True
 
     # ---- schedule -----------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:

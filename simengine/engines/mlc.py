@@ -35,6 +35,9 @@ class MlcEngine(EnginePolicy):
     device_classes = ALL_CLASSES
     support_source = ("MLC-LLM docs (install, deploy): CUDA incl. Jetson, ROCm, Vulkan (AMD/Intel/NVIDIA), Metal "
                       "(Apple), OpenCL on Android (Qualcomm Adreno), WebGPU; no Ascend or Gaudi backend")
+    # repeat_steps proves no waiting request can prefill during the repeats (the batch is full, or the queue head
+    # does not fit); an arrival queues behind the head, and add_request reads only the configuration
+    repeats_outlast_arrivals = True
 
     def __init__(self, params: MlcParams, dep: Deployment):
         refuse_gaudi(dep.hardware, "mlc")
@@ -148,11 +151,6 @@ class MlcEngine(EnginePolicy):
             else:
                 hi = mid - 1
         return lo
-
-    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
-        """repeat_steps proved that no waiting request can prefill during the repeats (the batch is full, or the queue
-        head does not fit) and an arrival queues behind the head; add_request reads only the configuration."""
-        return True
 
     def _state_at(self, out: SchedulerOutput, step: int) -> tuple[int, int]:
         """(free pages, total sequence length) at the schedule call of the `step`-th repeat of decode step `out`."""

@@ -107,7 +107,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         # next schedule merges into running); those with slots and KV on its way (DecodeTransferQueue): self.loading
         self.prealloc: list[Request] = []
         self.prebuilt: list[Request] = []
-        self.in_flight: SchedulerOutput | None = None   # the step scheduled and not yet updated
+        self.step_in_flight: SchedulerOutput | None = None   # scheduled, not yet updated
         lazy = (self.lazy_decode and dep.pp == 1 and self.speculation is None and not p.enable_mixed_chunk
                 and self.adapters is None and self.host is None)
         # members: their reserved growth (max_tokens - outputs) is under the clip, so the adder's sum over them is
@@ -190,7 +190,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         self.batch_is_full = False
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
-        self.in_flight = None
+        self.step_in_flight = None
         res = super().update(out, now)
         if self.speculation is not None:   # the verify step frees the slots of rejected drafts (page size 1)
             for req, n in out.scheduled:
@@ -232,7 +232,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
             self.adapters.shape_step(out.scheduled, out.shape)
         if self.onboarded:
             out.shape.host_load_tokens, out.shape.host_load_overlapped, self.onboarded = self.onboarded, True, 0
-        self.in_flight = out
+        self.step_in_flight = out
         return out
 
     def _schedule_prefill(self, out: SchedulerOutput, now: float) -> bool:
@@ -386,7 +386,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
     def check_invariants(self) -> None:
         self.check_cohort(self.running)
         if self.cohort is not None:   # slots taken at scheduling: with a step in flight (a run cut off), its tokens too
-            ahead = {r.request_id: n for r, n in self.in_flight.scheduled} if self.in_flight is not None else {}
+            step = self.step_in_flight
+            ahead = {r.request_id: n for r, n in step.scheduled} if step is not None else {}
             assert all(h.cached + h.private == r.num_computed_tokens + ahead.get(r.request_id, 0) for r in self.running
                        for h in (self.holds[r.request_id],)), "a running request's slots are not its computed tokens"
         self.cache.check_invariants()

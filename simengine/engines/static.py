@@ -49,6 +49,7 @@ class StaticEngine(EnginePolicy):
     support_source = ("research/baseline policy, not a product: PyTorch + transformers run on CUDA, ROCm, Ascend "
                       "(torch_npu), Apple MPS, Intel XPU/Gaudi and CPUs (transformers installation docs)")
     last_repeat_by_update = True   # a decode step of the formed batch only describes it
+    repeats_outlast_arrivals = True   # a formed batch admits nobody until it is done
 
     def __init__(self, params: StaticParams, dep: Deployment):
         self.step_token_limit, self.batch_size_limit = None, params.batch_size
@@ -177,10 +178,6 @@ class StaticEngine(EnginePolicy):
         if not self.batch or not out.shape.num_decode:
             return 0
         return max(0, min(r.output_len - r.num_output_tokens for r, _ in out.scheduled))
-
-    def repeats_outlast_arrivals(self, out: SchedulerOutput) -> bool:
-        """A formed batch admits nobody until it is done (add_request reads only the configuration)."""
-        return True
 
     def context_growth(self, shape: BatchShape) -> int:
         return shape.padded_decode  # every row, padding included, reads one more token

@@ -99,13 +99,7 @@ class Recorder:
     def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
         """Several steps at once: one row of STEP_FIELDS each (float64), one inter-token gap group each (float64
         values, int64 counts)."""
-        done, n, i, g = 0, len(rows), self._num_steps, self._num_gaps
-        if i + n < self.chunk_rows and g + n < len(self._gaps):   # the usual case: room for them all
-            self._steps[i:i + n] = rows
-            self._gaps[g:g + n] = itl_values
-            self._gap_tokens[g:g + n] = itl_counts
-            self._num_steps, self._num_gaps = i + n, g + n
-            return
+        done, n = 0, len(rows)
         while done < n:
             i, g = self._num_steps, self._num_gaps
             k = min(n - done, self.chunk_rows - i, len(self._gaps) - g)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from simengine.core.batch import SchedulerOutput
+from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
@@ -152,7 +152,7 @@ class Replica:
         growth = engine.context_growth(shape)
         costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
         seconds = costs[:, 0]
-        outlast = not self.watched and engine.repeats_outlast_arrivals(out)
+        outlast = not self.watched and engine.repeats_outlast_arrivals
         bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
         ends = np.cumsum(np.concatenate(([env.now], seconds)))  # ends[j]: repeat j - 1's end; one addition a step,
         i = 0                                                    # in order, as timeouts add
@@ -182,8 +182,8 @@ class Replica:
         if i == bulk < steps and (outlast or env.now + seconds[i] < env.peek()):
             start = env.now
             yield env.timeout(float(seconds[i]))
-            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape), StepCost(*costs[i].tolist()),
-                           start, env.now)
+            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape),   # it preempts nobody
+                           StepCost(*costs[i].tolist()), start, env.now)
             i += 1
         shape.decode_context_tokens = ctx + growth * i
 
@@ -194,11 +194,9 @@ class Replica:
         k = len(ends)
         usages = engine.apply_repeats(out, ends.tolist())
         shape, n = out.shape, len(out.scheduled)
-        if k == 1:   # the same row, built as _complete builds its own (cheaper than an array for one)
+        if k == 1:   # _complete's row (cheaper than an array for one)
             end = float(ends[0])
-            self.recorder.step((self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode,
-                                engine.num_running(), engine.num_waiting(), usages[0], 0, *costs[0].tolist(),
-                                shape.cuda_graph, n, 0), end, {start: n})
+            self.recorder.step(self._row(start, end, n, shape, usages[0], 0, costs[0].tolist(), n), end, {start: n})
             if self.check:
                 engine.check_invariants()
             return
@@ -222,17 +220,20 @@ class Replica:
         """A step's batch came back at `now`: apply it to the engine, record the step, report finished requests."""
         engine = self.engine
         res = engine.update(out, now)
-        shape = out.shape
-        self.recorder.step((self.index, start, now, len(out.scheduled), shape.num_prefill_tokens, shape.num_decode,
-                            engine.num_running(), engine.num_waiting(), engine.kv_usage(), len(out.preempted),
-                            c.seconds, c.compute_s, c.memory_s, c.comm_s, c.overhead_s, c.measured_s,
-                            shape.cuda_graph, res.num_first_tokens + sum(res.itl_groups.values()) + res.num_accepted,
-                            shape.spec_tokens),
+        self.recorder.step(self._row(start, now, len(out.scheduled), out.shape, engine.kv_usage(), len(out.preempted),
+                                     c, res.num_first_tokens + sum(res.itl_groups.values()) + res.num_accepted),
                            now, res.itl_groups)
         if self.check:
             engine.check_invariants()
         for req in res.finished:
             self.on_done(req, self.index)
+
+    def _row(self, start: float, end: float, n: int, shape: BatchShape, kv_usage: float, preempted: int, cost,
+             output_tokens: int) -> tuple:
+        """A step's row of STEP_FIELDS (`cost`: the StepCost fields in order), the engine's queues as they are now."""
+        engine = self.engine
+        return (self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(),
+                engine.num_waiting(), kv_usage, preempted, *cost, shape.cuda_graph, output_tokens, shape.spec_tokens)
 
 
 class PipelinedReplica(Replica):

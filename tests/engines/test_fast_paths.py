@@ -304,7 +304,7 @@ def test_repeats_run_through_arrivals_on_a_replica_alone():
         calls: dict[bool, int] = {}
         for outlast in (True, False):
             runner = Runner(sc, sc.engines[0])
-            with mock.patch.object(cls, "repeats_outlast_arrivals", lambda self, out, v=outlast: v):
+            with mock.patch.object(cls, "repeats_outlast_arrivals", outlast):
                 runner.run()
             calls[outlast] = runner.replicas[0].schedules
         assert calls[True] < calls[False], f"{engine}: {calls}"
