@@ -37,8 +37,8 @@ class EnginePolicy(ABC):
     supports_expert_parallel: ClassVar[bool] = False
     supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
     last_repeat_by_update: ClassVar[bool] = False   # repeat_steps may count the step a request finishes in (below)
-    # an arrival during proved repeats only queues, and add_request reads nothing they change: on a replica alone,
-    # the repeat an arrival falls in runs on (sim/replica.py _repeat)
+    # an arrival during proved repeats only queues, add_request reads nothing they change, and nothing but arrivals
+    # reaches the engine (no KV loads): on a replica alone the repeats run on through arrivals (sim/replica.py)
     repeats_outlast_arrivals: ClassVar[bool] = False
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests

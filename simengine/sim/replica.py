@@ -39,6 +39,10 @@ class Replica:
         # whether anyone but arrivals reads the engine in the middle of a step (a router choosing among replicas, load
         # reports, disaggregation: every run of more than one replica); the runner clears it for a replica alone
         self.watched = True
+        # repeats run on through arrivals (`_through`): (out, StepCost rows, start, ends, queue at start) until
+        # applied, and each arrival's (time, queue length after it) meanwhile
+        self._in_flight: tuple | None = None
+        self._arrivals: list[tuple[float, int]] | None = None
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -46,6 +50,8 @@ class Replica:
         if not self.engine.add_request(req, self.env.now):
             self.on_done(req, self.index)
             return
+        if self._arrivals is not None:
+            self._arrivals.append((self.env.now, self.engine.num_waiting()))
         self.wake()
 
     def wake(self) -> None:
@@ -84,6 +90,7 @@ class Replica:
     def stop(self) -> None:
         """The replica failed: its processes end where they are (a step in flight is lost with the engine)."""
         self.stopped = True
+        self.settle(lost_at_now=True)
         if self.process.is_alive:
             self.process.interrupt()
 
@@ -144,9 +151,9 @@ class Replica:
         reading the engine's KV) or whose end one timeout cannot land on ends the repeats, and the engine schedules
         again: a schedule call takes the step's KV at its start, where applying a repeat takes it at its end. Unless
         nobody else reads the engine (not `watched`) and the engine proves that arrivals change none of its repeats
-        (`repeats_outlast_arrivals`): that repeat then runs as a step of its own, applied at its end after the others
-        acted, and the repeats go on. Where requests may finish in the last repeat (`last_repeat_by_update`), it
-        runs as a step of its own, applied by `update` as any step is."""
+        (`repeats_outlast_arrivals`): then the repeats run on through any event under one timeout and are applied
+        at its end (`_through`). Where requests may finish in the last repeat (`last_repeat_by_update`), `update`
+        applies it, as any step: after a timeout of its own, or at the end of the one it shares through arrivals."""
         env, shape, engine = self.env, out.shape, self.engine
         ctx = shape.decode_context_tokens
         growth = engine.context_growth(shape)
@@ -156,30 +163,21 @@ class Replica:
         bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
         ends = np.cumsum(np.concatenate(([env.now], seconds)))  # ends[j]: repeat j - 1's end; one addition a step,
         i = 0                                                    # in order, as timeouts add
-        while i < bulk:
-            start = env.now   # ends[i]
-            k = int(np.searchsorted(ends[i + 1:bulk + 1], env.peek()))   # the repeats that end before anyone acts
-            span = outlast and i + k < bulk   # the next one runs on through the event (applied after it)
-            while k + span and start + (ends[i + k + span] - start) != ends[i + k + span]:   # one timeout lands
-                if span:                                                                    # where steps end
-                    span = False
-                else:
-                    k -= 1
-            if k:
-                self._complete_repeats(out, costs[i:i + k], start, ends[i + 1:i + k + 1])
-            if k + span:
-                yield env.timeout(float(ends[i + k + span]) - start)
-            if span:
-                self._complete_repeats(out, costs[i + k:i + k + 1], float(ends[i + k]), ends[i + k + 1:i + k + 2])
-            i += k + span
-            if i < bulk and not span:   # cut short by an event or by where a timeout lands
-                if not outlast:
-                    break
-                start = env.now   # the step the exact path schedules now, timed and applied as it applies it
-                yield env.timeout(float(seconds[i]))
-                self._complete_repeats(out, costs[i:i + 1], start, np.array([env.now]))
-                i += 1
-        if i == bulk < steps and (outlast or env.now + seconds[i] < env.peek()):
+        while outlast and i < steps:   # no event can read the engine before the repeats end
+            k = steps - i
+            while k > 1 and env.now + (ends[i + k] - env.now) != ends[i + k]:   # one timeout lands where steps end
+                k -= 1
+            yield from self._through(out, costs[i:i + k], ends[i + 1:i + k + 1], i + k > bulk)
+            i += k
+        if not outlast:   # those that end before anyone acts; cut short, the engine schedules again
+            start = env.now
+            i = int(np.searchsorted(ends[1:bulk + 1], env.peek()))
+            while i and start + (ends[i] - start) != ends[i]:
+                i -= 1
+            if i:
+                self._complete_repeats(out, costs[:i], start, ends[1:i + 1])
+                yield env.timeout(float(ends[i]) - start)
+        if i == bulk < steps and not outlast and env.now + seconds[i] < env.peek():
             start = env.now
             yield env.timeout(float(seconds[i]))
             self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape),   # it preempts nobody
@@ -187,14 +185,47 @@ class Replica:
             i += 1
         shape.decode_context_tokens = ctx + growth * i
 
-    def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray) -> None:
+    def _through(self, out: SchedulerOutput, costs: np.ndarray, ends: np.ndarray, by_update: bool):
+        """Repeats of `out` ending at `ends` under one timeout (one repeat: its own step's timeout, which lands on its
+        end), applied at its end, the last by `update` if `by_update`. Arrivals meanwhile only queue (`submit` logs
+        the queue they leave, for the rows of the repeats that end after them); a failure or the end of the run
+        applies those that ended by then (`settle`)."""
+        start = self.env.now
+        self._in_flight = (out, costs, start, ends, self.engine.num_waiting(), by_update)
+        self._arrivals = []
+        yield self.env.timeout(float(ends[-1]) - start if len(ends) > 1 else float(costs[0, 0]))
+        self.settle()
+
+    def settle(self, *, lost_at_now: bool = False) -> None:
+        """Apply the repeats in flight under `_through` that ended by now (a step ending at this instant counts,
+        unless `lost_at_now`: a failure now loses it). Called when their timeout fires, at a failure and at the end
+        of the run; a no-op with none in flight."""
+        if self._in_flight is None:
+            return
+        out, costs, start, ends, waiting, by_update = self._in_flight
+        arrivals, self._in_flight, self._arrivals = self._arrivals, None, None
+        n = int(np.searchsorted(ends, self.env.now, side="left" if lost_at_now else "right"))
+        last = by_update and n == len(ends)   # the step a request finishes in ended: `update` applies it
+        if n - last:
+            queue = None
+            if arrivals:   # each row's queue as the last arrival before its end left it
+                times, after = zip(*arrivals)
+                queue = np.array((waiting, *after))[np.searchsorted(times, ends[:n - last], side="right")]
+            self._complete_repeats(out, costs[:n - last], start, ends[:n - last], queue)
+        if last:
+            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape),   # it preempts nobody
+                           StepCost(*costs[-1].tolist()), float(ends[-2]) if n > 1 else start, float(ends[-1]))
+
+    def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray,
+                          waiting: np.ndarray | None = None) -> None:
         """`_complete` for repeats of `out` ending at `ends` (their StepCost fields as rows of `costs`): the same step
-        rows and inter-token gaps (each repeat's decodes all sampled their previous token at the step before's end)."""
+        rows and inter-token gaps (each repeat's decodes all sampled their previous token at the step before's end).
+        `waiting`: each row's queue length where arrivals came between the repeats (the engine's now otherwise)."""
         engine = self.engine
         k = len(ends)
         usages = engine.apply_repeats(out, ends.tolist())
         shape, n = out.shape, len(out.scheduled)
-        if k == 1:   # _complete's row (cheaper than an array for one)
+        if k == 1 and waiting is None:   # _complete's row (cheaper than an array for one)
             end = float(ends[0])
             self.recorder.step(self._row(start, end, n, shape, usages[0], 0, costs[0].tolist(), n), end, {start: n})
             if self.check:
@@ -206,6 +237,8 @@ class Replica:
         rows[1:, 1] = ends[:-1]
         rows[:, 2] = ends
         rows[:, 3:8] = (n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
+        if waiting is not None:
+            rows[:, 7] = waiting
         rows[:, 8] = usages
         rows[:, 9] = 0             # repeats preempt nobody (`out` may have)
         rows[:, 10:16] = costs

@@ -553,6 +553,8 @@ class Runner:
                         shown = now
                 self.env.step()
                 events += 1
+        for rep in self.replicas:
+            rep.settle()   # repeats in flight that ended by now
         for eng in self.engines:
             eng.sync()
         for req in sorted(self.live.values(), key=lambda r: r.request_id):

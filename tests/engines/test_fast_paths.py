@@ -41,12 +41,13 @@ from tests.conftest import make_scenario
 from tests.test_fuzz_invariants import build, kv_params, scenarios
 
 
-def _busy(engine: str, num_requests: int, params: dict, max_tokens: int | None = None) -> Scenario:
+def _busy(engine: str, num_requests: int, params: dict, max_tokens: int | None = None, *, horizon_s: float = 1e6,
+          drain_s: float = 1e6, failures: dict | None = None) -> Scenario:
     """More arrivals than the replica serves: long busy periods of many concurrent decodes (`max_tokens`: the
     client's, above the output lengths)."""
     return from_dict(Scenario, {
-        "name": "busy", "seed": 5, "horizon_s": 1e6, "drain_s": 1e6,
-        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+        "name": "busy", "seed": 5, "horizon_s": horizon_s, "drain_s": drain_s,
+        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b", "failures": failures},
         "workload": {"arrival": {"process": "poisson", "rate": 40.0}, "num_requests": num_requests,
                      "input_tokens": {"dist": "lognormal", "mean": 800, "sigma": 0.8, "max": 6000},
                      "output_tokens": {"dist": "lognormal", "mean": 200, "sigma": 0.8, "max": 1500},
@@ -313,6 +314,19 @@ def test_repeats_run_through_arrivals_on_a_replica_alone():
     runner = Runner(two, two.engines[0])
     assert all(rep.watched for rep in runner.replicas)
     assert not Runner(sc, sc.engines[0]).replicas[0].watched
+
+
+@pytest.mark.parametrize("engine", REPEATING)
+def test_repeats_in_flight_meet_failures_and_the_end_of_the_run_as_steps_do(engine):
+    """Repeats running through arrivals are applied when their timeout ends; a failure in the middle applies those
+    that ended before it (the step in flight is lost), and so does the end of the run (horizon and drain reached
+    with requests still decoding). Step rows, queue lengths included, equal every step scheduled."""
+    failures = {"at": [{"replica": 0, "time_s": 3.0, "down_s": 0.7}, {"replica": 0, "time_s": 9.1, "down_s": 0.2}],
+                "max_retries": 1}
+    sc = _busy(engine, 400, {}, horizon_s=14.0, drain_s=2.5, failures=failures)
+    fast = api.run_engine(sc, sc.engines[0])
+    _assert_same(fast, _run_without_repeats(sc, engine))
+    assert fast.summary["unfinished"] > 0 and fast.steps["num_waiting"].nunique() > 20
 
 
 def test_repeats_leave_the_engine_counters_as_steps_do():
