@@ -182,7 +182,7 @@ class LlamaCppEngine(EnginePolicy):
         """Every slot gains a cell a repeat; nothing else changes (no slot stops: repeat_steps stays short of it)."""
         used, busy = sum([s.cells for s in self.slots]), self.num_busy
         self.advance_decodes(out, ends)
-        return [(used + busy * i) / self.n_ctx for i in range(1, len(ends) + 1)]
+        return ((used + busy * np.arange(1, len(ends) + 1)) / self.n_ctx).tolist()
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """Every slot busy and decoding, the iteration one forward: up to the iteration in which a slot finishes or
