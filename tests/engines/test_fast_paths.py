@@ -295,7 +295,7 @@ def test_repeated_steps_are_used_and_equal_on_a_busy_run():
 
 def test_repeats_run_through_arrivals_on_a_replica_alone():
     """An arrival in the middle of repeats (llama.cpp's slots all busy, a static batch, MLC's queue blocked) only
-    queues: on a replica nobody else reads, the repeat that spans it runs as its step and the repeats go on. Fewer
+    queues: on a replica nobody else reads, the repeats run on through it under one timeout. Fewer
     schedule calls than when arrivals end the repeats, and the same figures as every step scheduled; with two
     replicas (a router reads both) arrivals end the repeats."""
     for engine in REPEATING:
