@@ -249,8 +249,7 @@ def check_all(res: api.EngineResult, runner: TrackingRunner) -> None:
     # run is on both sides: its prefill replica computes the copy while its decode replica already holds the request
     # (queued, or reserving blocks for the KV, which not every engine counts as waiting)
     held = sum(e.num_running() + e.num_waiting() for e in runner.engines)
-    both = len(set(getattr(runner, "decode_sent", ())) - set(getattr(runner, "prefill_end_s", ()))) \
-        if runner.back is not None else 0
+    both = len(runner.decode_sent.keys() - runner.prefill_end_s.keys()) if runner.back is not None else 0
     unfinished = s["unfinished"] - len(runner.pending)
     assert unfinished <= held <= unfinished + both, (held, both, len(runner.pending), s["unfinished"])
     if "faults" in s:

@@ -39,10 +39,9 @@ class Replica:
         # whether anyone but arrivals reads the engine in the middle of a step (a router choosing among replicas, load
         # reports, disaggregation: every run of more than one replica); the runner clears it for a replica alone
         self.watched = True
-        # repeats run on through arrivals (`_through`): (out, StepCost rows, start, ends, queue at start) until
-        # applied, and each arrival's (time, queue length after it) meanwhile
+        # repeats running on through arrivals (`_through`) until applied: (out, StepCost rows, start, ends, queue at
+        # start, whether update applies the last, each arrival's (time, queue length after it) meanwhile)
         self._in_flight: tuple | None = None
-        self._arrivals: list[tuple[float, int]] | None = None
         self.process = env.process(self.run())
 
     def submit(self, req: Request) -> None:
@@ -50,8 +49,8 @@ class Replica:
         if not self.engine.add_request(req, self.env.now):
             self.on_done(req, self.index)
             return
-        if self._arrivals is not None:
-            self._arrivals.append((self.env.now, self.engine.num_waiting()))
+        if self._in_flight is not None:
+            self._in_flight[-1].append((self.env.now, self.engine.num_waiting()))
         self.wake()
 
     def wake(self) -> None:
@@ -180,8 +179,7 @@ class Replica:
         if i == bulk < steps and not outlast and env.now + seconds[i] < env.peek():
             start = env.now
             yield env.timeout(float(seconds[i]))
-            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape),   # it preempts nobody
-                           StepCost(*costs[i].tolist()), start, env.now)
+            self._complete_last(out, costs[i], start, env.now)
             i += 1
         shape.decode_context_tokens = ctx + growth * i
 
@@ -191,8 +189,7 @@ class Replica:
         the queue they leave, for the rows of the repeats that end after them); a failure or the end of the run
         applies those that ended by then (`settle`)."""
         start = self.env.now
-        self._in_flight = (out, costs, start, ends, self.engine.num_waiting(), by_update)
-        self._arrivals = []
+        self._in_flight = (out, costs, start, ends, self.engine.num_waiting(), by_update, [])
         yield self.env.timeout(float(ends[-1]) - start if len(ends) > 1 else float(costs[0, 0]))
         self.settle()
 
@@ -202,8 +199,8 @@ class Replica:
         of the run; a no-op with none in flight."""
         if self._in_flight is None:
             return
-        out, costs, start, ends, waiting, by_update = self._in_flight
-        arrivals, self._in_flight, self._arrivals = self._arrivals, None, None
+        out, costs, start, ends, waiting, by_update, arrivals = self._in_flight
+        self._in_flight = None
         n = int(np.searchsorted(ends, self.env.now, side="left" if lost_at_now else "right"))
         last = by_update and n == len(ends)   # the step a request finishes in ended: `update` applies it
         if n - last:
@@ -213,8 +210,12 @@ class Replica:
                 queue = np.array((waiting, *after))[np.searchsorted(times, ends[:n - last], side="right")]
             self._complete_repeats(out, costs[:n - last], start, ends[:n - last], queue)
         if last:
-            self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape),   # it preempts nobody
-                           StepCost(*costs[-1].tolist()), float(ends[-2]) if n > 1 else start, float(ends[-1]))
+            self._complete_last(out, costs[-1], float(ends[-2]) if n > 1 else start, float(ends[-1]))
+
+    def _complete_last(self, out: SchedulerOutput, cost: np.ndarray, start: float, end: float) -> None:
+        """The last repeat of `out`, a request finishing in it (`last_repeat_by_update`): applied by `update`, as any
+        step, without the preemptions `out` may have carried (`cost`: its StepCost fields)."""
+        self._complete(SchedulerOutput(scheduled=out.scheduled, shape=out.shape), StepCost(*cost.tolist()), start, end)
 
     def _complete_repeats(self, out: SchedulerOutput, costs: np.ndarray, start: float, ends: np.ndarray,
                           waiting: np.ndarray | None = None) -> None:
