@@ -15,6 +15,7 @@ front). The queue is compacted when stale entries pile up.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 
 import numpy as np
 
@@ -184,13 +185,21 @@ class BlockPool:
                         first.append(b)
                 elif c < 0:
                     raise RuntimeError(f"block {b} ref count went negative")
-        for b in reversed(blocks[:split]) if split else ():
-            c = ref_cnt[b] - 1
-            ref_cnt[b] = c
-            if not c:
-                last.append(b)
-            elif c < 0:
-                raise RuntimeError(f"block {b} ref count went negative")
+        full = blocks[:split]   # (num_full may exceed the blocks: a manager's count of a longer table)
+        k = len(full)
+        if k > 1 and itemgetter(*full)(ref_cnt).count(1) == k:  # none shared (the usual case): all to the tail,
+            for b in full:                                         # without a branch a block
+                ref_cnt[b] = 0
+            full.reverse()
+            last += full
+        else:
+            for b in reversed(full):
+                c = ref_cnt[b] - 1
+                ref_cnt[b] = c
+                if not c:
+                    last.append(b)
+                elif c < 0:
+                    raise RuntimeError(f"block {b} ref count went negative")
         if first:
             queue, head, k = self.free_queue, self.head, len(first)
             if head >= k:    # over taken entries before the head

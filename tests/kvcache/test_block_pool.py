@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simengine.kvcache.block_pool import BlockPool
@@ -58,6 +58,22 @@ def test_cached_block_survives_free_until_evicted_by_allocation():
     other = make_request(16, seed=3)
     assert kv.allocate_slots(other, 16)
     assert kv.get_computed_blocks(make_request(9, tokens=tokens)).num_tokens == 0
+
+
+def test_full_block_count_past_the_end_frees_every_block_to_the_tail():
+    """A manager's full-block count may exceed the blocks it frees (a longer table's count): every block, one or
+    many, shared or not, then counts as cached and joins the LRU tail, last block first."""
+    for n in (1, 2, 5):
+        pool = BlockPool(8, enable_caching=True)
+        blocks = pool.allocate(n)
+        pool.touch(blocks[:1])   # the first shared: it stays in use after one free
+        pool.free(blocks, n + 3)
+        assert pool.num_free == 8 - 1
+        if n > 1:
+            assert pool.free_blocks()[-(n - 1):] == blocks[:0:-1]
+        pool.free(blocks[:1], 4)
+        assert pool.free_blocks()[-1] == blocks[0] and pool.num_free == 8
+        pool.check_invariants()
 
 
 def test_no_hits_when_prefix_caching_disabled():
@@ -117,12 +133,13 @@ class ReferencePool:
                     del self.cached[h]
         return out
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int], num_full: int = 0) -> None:
         front = []
-        for b in reversed(blocks):
+        for i in reversed(range(len(blocks))):
+            b = blocks[i]
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                if b in self.owner:
+                if b in self.owner or i < num_full:   # the first num_full count as cached, hash or not
                     self.lru[b] = None
                 else:
                     front.append(b)
@@ -143,10 +160,11 @@ class ReferencePool:
 
 
 @pytest.mark.parametrize("compact_min_stale", [0, 1024])
+@settings(max_examples=150)
 @given(ops=st.lists(st.tuples(st.sampled_from("afch"), st.integers(0, 50), st.integers(1, 4)), max_size=120))
 def test_pool_matches_the_plain_lru_model(compact_min_stale, ops):
-    """Allocation order, LRU order after frees and prefix touches (stale queue entries), and the hash map all match
-    the OrderedDict model, with and without compaction."""
+    """Allocation order, LRU order after frees (full blocks counted as cached, shared blocks among them) and prefix
+    touches (stale queue entries), and the hash map all match the OrderedDict model, with and without compaction."""
     pool, ref = BlockPool(6, enable_caching=True), ReferencePool(6)
     pool.compact_min_stale = compact_min_stale
     groups: list[list[int]] = []  # held block lists, as requests hold them
@@ -159,8 +177,9 @@ def test_pool_matches_the_plain_lru_model(compact_min_stale, ops):
             fresh.append(got)
         elif kind == "f" and groups:
             g = groups.pop(pick % len(groups))
-            pool.free(g)
-            ref.free(g)
+            num_full = (pick + n) % (len(g) + 2)   # up to past the blocks' end, as a manager may count
+            pool.free(g, num_full)
+            ref.free(g, num_full)
             fresh = [f for f in fresh if f is not g]
         elif kind == "c" and fresh:
             g = fresh.pop(pick % len(fresh))
