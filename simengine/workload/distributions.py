@@ -63,6 +63,21 @@ class Dist(Checked):
         assert value is not None, f"{self.dist} without {name}"
         return value
 
+    def draw_family(self) -> tuple[str, tuple[float, ...]] | None:
+        """The numpy Generator method `sample` draws one value with and its parameters; ('constant', ()) for a
+        constant (no draw), None where a value takes other draws (uniform integers, empirical tables). The method
+        given arrays of parameters draws, element by element, exactly what calls for one value each would."""
+        if self.dist == "constant":
+            return "constant", ()
+        if self.dist == "lognormal":
+            sigma = self._given("sigma")
+            return "lognormal", (math.log(max(self._given("mean"), 1e-12)) - sigma ** 2 / 2, sigma)
+        if self.dist == "normal":
+            return "normal", (self._given("mean"), self._given("sigma"))
+        if self.dist == "exponential":
+            return "exponential", (self._given("mean"),)
+        return None
+
     def sample(self, rng: np.random.Generator, n: int | None = None) -> np.ndarray | float:
         size = n if n is not None else None
         x: np.ndarray | float
@@ -70,36 +85,41 @@ class Dist(Checked):
             x = np.full(n, self._given("value"), dtype=float) if n is not None else float(self._given("value"))
         elif self.dist == "uniform":
             x = rng.uniform(self._given("low"), self._given("high"), size)
-        elif self.dist == "lognormal":
-            sigma = self._given("sigma")
-            mu = math.log(max(self._given("mean"), 1e-12)) - sigma ** 2 / 2
-            x = rng.lognormal(mu, sigma, size)
         elif self.dist == "empirical":
             table = str(self.table)
             lo, hi = self._bounds(check_table(table))
             scale = 1.0 if self.mean is None else scale_for_mean(table, float(self.mean), lo, hi)
             return sample_table(table, rng, n, scale=scale, lo=lo, hi=hi)
-        elif self.dist == "normal":
-            x = rng.normal(self._given("mean"), self._given("sigma"), size)
         else:
-            x = rng.exponential(self._given("mean"), size)
+            method, params = self.draw_family()  # type: ignore[misc]   # lognormal, normal, exponential
+            x = getattr(rng, method)(*params, size)
+        if n is not None:
+            return self.clip(x)
         if self.min is None and self.max is None:
             return x
-        lo = self.min if self.min is not None else -math.inf
-        hi = self.max if self.max is not None else math.inf
-        if n is None:  # a scalar: Python's min/max, ~20x cheaper than np.clip on one value
-            return min(max(float(x), lo), hi)
-        return np.clip(x, lo, hi)
+        # a scalar: Python's min/max, ~20x cheaper than np.clip on one value
+        return min(max(float(x), self.min if self.min is not None else -math.inf),
+                   self.max if self.max is not None else math.inf)
 
     def sample_int(self, rng: np.random.Generator, n: int | None = None, *, at_least: int = 1):
         """Integer samples (uniform is inclusive of `high`), never below `at_least`."""
         if self.dist == "uniform":
             drawn = rng.integers(int(self._given("low")), int(self._given("high")) + 1, n)
             return np.maximum(drawn, at_least) if n is not None else max(int(drawn), at_least)
-        x = self.sample(rng, n)
+        return self.to_int(self.sample(rng, n), n, at_least)
+
+    def to_int(self, x, n: int | None = None, at_least: int = 1):
+        """`sample_int`'s values from `sample`'s (round half to even, never below `at_least`): one, or an array."""
         if n is None:
             return max(round(float(x)), at_least)
         return np.maximum(np.rint(x).astype(np.int64), at_least)
+
+    def clip(self, x: np.ndarray | float) -> np.ndarray | float:
+        """`sample`'s clipping of an array of raw draws."""
+        if self.min is None and self.max is None:
+            return x
+        return np.clip(x, self.min if self.min is not None else -math.inf,
+                       self.max if self.max is not None else math.inf)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from simengine.workload.config import RequestClass, TraceConfig, WorkloadConfig
 
 STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_TOKENS, STREAM_PREFIX, STREAM_SESSIONS, STREAM_TRACE = range(6)
 HASH_BATCH = 512  # open-loop requests made and hashed together: the per-pass overhead is spread, memory stays small
+LENGTH_BLOCK = 512  # plain requests whose lengths are drawn in one numpy call (the values one call each would draw)
 
 
 @dataclass
@@ -74,6 +75,14 @@ class RequestFactory:
         weights = np.array([c.weight for c in cfg.classes], dtype=float)
         self._class_p = weights / weights.sum() if len(weights) else None
         self.next_id = 0
+        # plain requests' (input, output) lengths drawn ahead, next last; drawn LENGTH_BLOCK at a time where the
+        # lengths are rng_lengths' only draws for a plain request (no classes, no documents) and both come from
+        # one numpy method (or a constant): `_draw_lengths`
+        self._lengths: list[tuple[int, int]] = []
+        families = [cfg.input_tokens.draw_family(), cfg.output_tokens.draw_family()]
+        methods = {f[0] for f in families if f is not None} - {"constant"}
+        self._block_lengths = (self._class_p is None and cfg.documents is None and None not in families
+                               and len(methods) <= 1)
 
     # ---- pieces ---------------------------------------------------------------------------------------
     def new_id(self) -> int:
@@ -147,11 +156,36 @@ class RequestFactory:
             made += n
             t = float(times[-1])
 
+    def _draw_lengths(self, n: int) -> list[tuple[int, int]]:
+        """The next n plain requests' (input, output) lengths, last first: one numpy call whose parameters alternate
+        input, output, so it draws what `lengths` would, request by request (tests/workload/test_generator.py)."""
+        ins, outs = self.cfg.input_tokens, self.cfg.output_tokens
+        (f_in, p_in), (f_out, p_out) = ins.draw_family(), outs.draw_family()  # type: ignore[misc]
+        rng = self.rng_lengths
+        if f_in == f_out == "constant":
+            x_in, x_out = np.full(n, float(ins.value)), np.full(n, float(outs.value))  # type: ignore[arg-type]
+        elif f_out == "constant":
+            x_in, x_out = getattr(rng, f_in)(*p_in, n), np.full(n, float(outs.value))  # type: ignore[arg-type]
+        elif f_in == "constant":
+            x_in, x_out = np.full(n, float(ins.value)), getattr(rng, f_out)(*p_out, n)  # type: ignore[arg-type]
+        else:
+            x = getattr(rng, f_in)(*(np.tile((a, b), n) for a, b in zip(p_in, p_out, strict=True)))
+            x_in, x_out = x[0::2], x[1::2]
+        drawn = zip(ins.to_int(ins.clip(x_in), n).tolist(), outs.to_int(outs.clip(x_out), n).tolist(), strict=True)
+        return list(drawn)[::-1]
+
     def plain_request(self, now: float) -> Request:
         """One request of the plain (non-session) workload arriving at `now`."""
         rng = self.rng_lengths
-        klass = self.pick_class(rng)
-        n_in, n_out, cap = self.lengths(rng, klass)
+        if self._block_lengths:
+            if not self._lengths:
+                self._lengths = self._draw_lengths(LENGTH_BLOCK)
+            n_in, n_out = self._lengths.pop()
+            cap = self.cfg.client_max_tokens
+            klass, n_out = None, min(n_out, cap) if cap else n_out
+        else:
+            klass = self.pick_class(rng)
+            n_in, n_out, cap = self.lengths(rng, klass)
         if self.documents:  # RAG: the question's length is input_tokens; the document comes on top
             doc = self.documents[int(rng.choice(len(self.documents), p=self._doc_p))]
             head = np.concatenate([self.prefix, doc])
