@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class Recorder:
         self.itl_chunks = Chunks("itl", ITL_DTYPE, self.spill)
         self._strings: list[str] = [*STATUSES, ""]
         self._codes = {s: i for i, s in enumerate(self._strings)}
-        self._request_cols: list[Any] = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
+        self._request_rows: list[tuple] = []   # rows of REQUEST_FIELDS, typed into columns at each flush
         # step rows and inter-token gap groups gather in buffers of a chunk's size, written in place (an array grown
         # step by step is copied each time it outgrows its memory, which costs more than the writes)
         self._new_step_buffers()
@@ -64,9 +63,8 @@ class Recorder:
                req.slo_class, int(req.structured))
         if req.token_times is not None:
             self.token_times[req.request_id] = req.token_times
-        for col, v in zip(self._request_cols, row):
-            col.append(v)
-        if len(self._request_cols[0]) >= self.chunk_rows:
+        self._request_rows.append(row)
+        if len(self._request_rows) >= self.chunk_rows:
             self._flush_requests()
 
     def finished(self, req: Request, replica: int) -> None:
@@ -119,19 +117,18 @@ class Recorder:
         return code
 
     def _flush_requests(self) -> None:
-        cols = self._request_cols
-        if not len(cols[0]):
+        if not self._request_rows:
             return
-        rows = np.empty(len(cols[0]), dtype=REQUEST_DTYPE)
-        for (name, code), col in zip(REQUEST_FIELDS, cols):
+        rows = np.empty(len(self._request_rows), dtype=REQUEST_DTYPE)
+        for (name, code), col in zip(REQUEST_FIELDS, zip(*self._request_rows, strict=True), strict=True):
             if code == "s":
                 # codes in order of first appearance (not a set's hash order): the same run, the same codes
                 lookup = {s: self._code(s) for s in dict.fromkeys(col)}
                 rows[name] = [lookup[s] for s in col]
-            else:
-                rows[name] = np.frombuffer(col, dtype=col.typecode)
+            else:   # array() refuses a value of the wrong type (a float in an integer column)
+                rows[name] = np.frombuffer(array(code, col), dtype=code)
         self.request_chunks.append(rows[np.argsort(rows["request_id"], kind="stable")])
-        self._request_cols = [[] if code == "s" else array(code) for _, code in REQUEST_FIELDS]
+        self._request_rows = []
 
     def _flush_steps(self) -> None:
         n, g = self._num_steps, self._num_gaps
@@ -188,4 +185,4 @@ class Recorder:
 
     @property
     def num_requests(self) -> int:
-        return self.request_chunks.rows + len(self._request_cols[0])
+        return self.request_chunks.rows + len(self._request_rows)
