@@ -105,34 +105,41 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     return params, ignored
 
 
-# What an engine version ran with that today's defaults change: (engine, versions below, params, source).
+# What an engine version ran with that today's defaults change: (engine, versions from, versions below, params,
+# source). A version is (major, minor, patch, final): a pre-release (0.6.0a0, 1.2.0rc1) sorts before its release.
 VERSION_KNOBS = (
-    ("vllm", (0, 12), {"async_scheduling": False},
+    ("vllm", None, (0, 12), {"async_scheduling": False},
      "async scheduling became vLLM's default with PR #27614 (the Q4 2025 roadmap's 'async scheduling on by "
      "default'); the V0 engine never had it"),
-    ("sglang", (0, 4), {"disable_overlap_schedule": True},
+    ("sglang", None, (0, 4), {"disable_overlap_schedule": True},
      "SGLang's overlap ('zero-overhead') scheduler shipped in v0.4 (LMSYS blog 2024-12-04)"),
-    ("trtllm", (0, 17), {"disable_overlap_scheduler": True},
+    ("trtllm", None, (0, 17), {"disable_overlap_scheduler": True},
      "the overlap scheduler is a feature of the PyTorch backend (TensorRT-LLM docs features/overlap-scheduler); "
      "the 0.1x C++ runtime behind Triton stepped synchronously"),
-    ("tgi", (3, 0), {"prefill_chunking": False, "prefix_caching": False},
+    ("tgi", None, (3, 0), {"prefill_chunking": False, "prefix_caching": False},
      "TGI 3.0 turned on chunked prefill and prefix caching (huggingface/text-generation-inference v3.0.0 release "
      "notes, 2024-12); 2.x batched new requests by waiting_served_ratio / max_waiting_tokens"),
-    ("lmdeploy", (0, 11), {"async_": 0},
+    ("lmdeploy", None, (0, 11), {"async_": 0},
      "TurboMind's asynchronous execution arrived with the engine refactor of InternLM/lmdeploy PR #4223 "
      "(2025-12-19); ESTIMATE that releases before 0.11 ran one phase"),
+    ("lmdeploy", (0, 2), (0, 6, 0, 1), {"max_batch_size": 128},
+     "TurbomindEngineConfig.max_batch_size was a fixed 128 from v0.2.0 (lmdeploy/messages.py) to v0.6.0a0; "
+     "InternLM/lmdeploy PR #2434 (2024-09-09, first in v0.6.0) made it depend on the device (utils.py "
+     "get_max_batch_size). v0.1 set it in the converted model's config (deploy/target_model/base.py: 64), which "
+     "the rows of that release's own benchmark did not run with (their TTFT has no queue of that size)"),
 )
 # how notes name versions: 'vLLM v0.6.0', 'SGLang v0.3.0', 'lmdeploy v0.6.0a0', 'Triton trtllm backend v0.11'
 _VERSION = {"vllm": (r"vllm",), "sglang": (r"sglang",), "lmdeploy": (r"lmdeploy",), "tgi": (r"tgi",),
             "trtllm": (r"tensorrt-llm", r"trtllm backend")}
 
 
-def engine_version(row: Measurement, engine: str) -> tuple[int, int] | None:
-    """(major, minor) of the engine as the notes name it, or None."""
+def engine_version(row: Measurement, engine: str) -> tuple[int, int, int, int] | None:
+    """(major, minor, patch, final) of the engine as the notes name it (final 0 for a pre-release: a, b, rc,
+    dev), or None."""
     for name in _VERSION.get(engine, ()):
-        m = re.search(rf"(?i)\b{name}\s+v?(\d+)\.(\d+)", row.notes)
+        m = re.search(rf"(?i)\b{name}\s+v?(\d+)\.(\d+)(?:\.(\d+))?(\.?(?:a|b|rc|dev)\d*)?", row.notes)
         if m:
-            return int(m.group(1)), int(m.group(2))
+            return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), 0 if m.group(4) else 1
     return None
 
 
@@ -141,10 +148,10 @@ def version_params(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     version = engine_version(row, engine)
     params: dict = {}
     why: list[str] = []
-    for eng, below, knobs, source in VERSION_KNOBS:
-        if eng == engine and version is not None and version < below:
+    for eng, since, below, knobs, source in VERSION_KNOBS:
+        if eng == engine and version is not None and (since is None or version >= since) and version < below:
             params.update(knobs)
-            why.append(f"{engine} {version[0]}.{version[1]}: {knobs} ({source})")
+            why.append(f"{engine} {'.'.join(map(str, version[:3]))}: {knobs} ({source})")
     return params, why
 
 

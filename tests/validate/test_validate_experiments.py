@@ -117,7 +117,10 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     ("tgi", "TGI 2.1 (ghcr.io/huggingface/text-generation-inference:2.1)",
      {"prefill_chunking": False, "prefix_caching": False}),
     ("trtllm", "TensorRT-LLM r24.07 (Triton trtllm backend v0.11)", {"disable_overlap_scheduler": True}),
-    ("lmdeploy", "lmdeploy v0.6.0a0", {"async_": 0}),
+    ("lmdeploy", "lmdeploy v0.6.0a0", {"async_": 0, "max_batch_size": 128}),   # a pre-release sorts before 0.6.0
+    ("lmdeploy", "lmdeploy v0.6.0", {"async_": 0}),
+    ("lmdeploy", "lmdeploy v0.1.0a1 TurboMind", {"async_": 0}),
+    ("lmdeploy", "lmdeploy v0.11.2", {}),
 ])
 def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect):
     from simengine.validate.bench_tools import engine_params
