@@ -180,9 +180,9 @@ class RequestFactory:
         if self._block_lengths:
             if not self._lengths:
                 self._lengths = self._draw_lengths(LENGTH_BLOCK)
-            n_in, n_out = self._lengths.pop()
-            cap = self.cfg.client_max_tokens
-            klass, n_out = None, min(n_out, cap) if cap else n_out
+            klass, (n_in, n_out), cap = None, self._lengths.pop(), self.cfg.client_max_tokens
+            if cap:
+                n_out = min(n_out, cap)
         else:
             klass = self.pick_class(rng)
             n_in, n_out, cap = self.lengths(rng, klass)
