@@ -1,5 +1,5 @@
-"""vllm_bench_serve.json: every key `vllm bench serve --save-result --save-detailed` writes (../shared/reference/
-metrics.md), per-request lists that add up as vLLM's own timeline plotter assumes, statistics equal to the
+"""vllm_bench_serve.json: every key `vllm bench serve --save-result --save-detailed` writes (docs/metrics.md),
+per-request lists that add up as vLLM's own timeline plotter assumes, statistics equal to the
 summary's, and recording token times changes no simulated result."""
 
 from __future__ import annotations

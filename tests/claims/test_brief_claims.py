@@ -1,5 +1,5 @@
-"""The product brief's claims (../shared/brief/), reproduced by mechanism: each asserts a direction and a broad
-band, never a tuned number. Workloads are small so the suite stays fast."""
+"""The product brief's claims (listed in docs/engines.md, "The brief's claims"), reproduced by mechanism: each
+asserts a direction and a broad band, never a tuned number. Workloads are small so the suite stays fast."""
 
 import pytest
 
