@@ -1,4 +1,4 @@
-"""LMDeploy TurboMind engine (src/turbomind/engine/scheduler.cc, engine.cc; v0.16.0) as read in engines.md §4.1.
+"""LMDeploy TurboMind engine (src/turbomind/engine/scheduler.cc, engine.cc; v0.16.0); docs/engines/lmdeploy.md.
 
 One pass per forward over ALL sequences in the engine (at most max_batch_size, the rest wait in the gateway),
 strictly by arrival: decode and prefill are not separated. Each sequence takes min(its remaining input, the

@@ -60,7 +60,7 @@ class MlcEngine(EnginePolicy):
         graphs = hw.vendor == "nvidia" and self.params.opt in ("O2", "O3")
         return EngineTiming(
             # ESTIMATE: C++ action loop + TVM VM dispatch to prepare a step ~0.3 ms; GPU sampling, C++
-            # detokenizer and stream callback ~0.3 ms. No overlap: each step is synchronous (engines.md §6.4).
+            # detokenizer and stream callback ~0.3 ms. No overlap: each step is synchronous (docs/engines/mlc.md).
             scheduler_cpu_s=0.3e-3, output_cpu_s=0.3e-3, overlap=False, kernel_launch_s=launch_cost_s(hw),
             seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             # TVM's CUDA-graph rewrite captures the decode function lazily per batch shape: every decode size is

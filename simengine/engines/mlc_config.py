@@ -26,7 +26,7 @@ class MlcParams(Checked):
     max_total_sequence_length: PoolSize | None = None
     prefill_chunk_size: Tokens | None = None       # local/interactive min(compiled, total, ctx); server compiled
     max_single_sequence_length: Tokens | None = None  # the model's context_window_size (config.cc GetModelConfigLimits)
-    max_batch_size: Sequences = 128                # compiled max batch size (gen_config default, engines.md §6.3)
+    max_batch_size: Sequences = 128                # compiled max batch size (gen_config default; docs/engines/mlc.md)
     compiled_prefill_chunk_size: Tokens | None = None  # None: min(context window, 8192) (model/llama/llama_model.py)
     gpu_memory_utilization: MemoryFraction = 0.85  # EngineConfig default, fraction of TOTAL memory (config.cc)
     kv_cache_page_size: BlockTokens = 16           # EngineConfig default

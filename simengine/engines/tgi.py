@@ -1,4 +1,4 @@
-"""TGI v3 router + flash shard (backends/v3/src/{backend,queue,radix}.rs; HEAD db931fc) as read in engines.md §3.
+"""TGI v3 router + flash shard (backends/v3/src/{backend,queue,radix}.rs; HEAD db931fc); docs/engines/tgi.md.
 
 Strict FCFS admission that reserves KV for the worst case up front (prompt + min(max_new, 1024) + speculate - 1,
 minus the radix prefix hit) and never preempts. With prefill chunking (the default for flash models) newly
@@ -141,7 +141,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
             # concatenation when new entries join) before the forward; after it ~2 ms for sampling bookkeeping,
             # stopping criteria and incremental detokenization in Python for tens of requests, plus the router's
             # filter_batch RPC (tgi_batch_concat/filter_duration are timed separately, backend.rs). Nothing
-            # overlaps the GPU (engines.md §3.4); design.md of TRT-LLM puts exposed host costs at 3-17 ms.
+            # overlaps the GPU (docs/engines/tgi.md); design.md of TRT-LLM puts exposed host costs at 3-17 ms.
             scheduler_cpu_s=1.5e-3, output_cpu_s=2.0e-3, overlap=False, seq_cpu_s=PYTHON_SEQ_CPU_S,
             frontend_s=NATIVE_FRONTEND_S,
             cuda_graph_sizes=tuple(sorted(s for s in self.params.cuda_graphs if s > 0)),

@@ -1,4 +1,4 @@
-"""TensorRT-LLM PyExecutor scheduler (capacity + micro-batch, C++ batch manager) as read in engines.md §5.
+"""TensorRT-LLM PyExecutor scheduler (capacity + micro-batch, C++ batch manager); docs/engines/trtllm.md.
 
 Each iteration a capacity scheduler decides which requests may hold KV and a micro-batch scheduler packs them
 under `max_num_tokens`. GUARANTEED_NO_EVICT (default) schedules every started request and reserves its blocks to
