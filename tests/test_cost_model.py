@@ -225,15 +225,17 @@ def test_fp8_static_scales_take_the_activation_quantisation_off_the_measured_gem
 @given(case=st.sampled_from([("h100_sxm", "llama-3.1-8b", 1), ("h100_sxm", "gpt-oss-20b", 1),
                              ("h200_sxm", "mixtral-8x7b", 2), ("l4", "qwen2.5-7b", 1), ("mi300x", "llama-3.1-8b", 2),
                              ("a100_80g_sxm", "llama-2-70b", 4)]),
-       measured=st.booleans(), overlap=st.booleans(), graph=st.booleans(), num_decode=st.integers(1, 300),
+       measured=st.booleans(), overlap=st.booleans(), graph=st.booleans(), compiled=st.booleans(),
+       num_decode=st.integers(1, 300),
        pad=st.integers(0, 8), structured=st.integers(0, 3), context=st.integers(0, 2_000_000),
        growth=st.integers(1, 300), repeats=st.integers(1, 40), host_s=st.sampled_from([1e-4, 2e-3, 5e-2]))
-def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(case, measured, overlap, graph, num_decode, pad,
-                                                                 structured, context, growth, repeats, host_s):
+def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(case, measured, overlap, graph, compiled, num_decode,
+                                                                 pad, structured, context, growth, repeats, host_s):
     """The repeated-step pricing (one numpy pass) gives step()'s floats exactly, for dense, MoE and sliding-window
-    models, roofline and measured kernels, with communication, graphs, eager launches and host time."""
+    models, roofline and measured kernels, with communication, graphs (compiled or not), eager launches and host
+    time."""
     timing = EngineTiming(scheduler_cpu_s=host_s, output_cpu_s=4e-4, overlap=overlap, kernel_launch_s=5e-6,
-                          seq_cpu_s=2e-6)
+                          seq_cpu_s=2e-6, compiled_max_bs=32 * compiled)
     models = kernel_models(*case, backend="vllm", timing=timing)
     c = models[-1] if measured else models[0]
     c.grammar_mask_s = 3e-5

@@ -130,6 +130,10 @@ class CostModel:
             a = self.kernels.decode(num_decode, shape.decode_context_tokens)
             gpu, compute, memory, measured = gpu + a[0], compute + a[1], memory + a[2], measured + a[3]
         t = self.timing
+        comm = tok[3]
+        if t.compiled_max_bs:
+            f = t.gpu_factor(num_decode, not chunks and not shape.spec_tokens, shape.cuda_graph)
+            gpu, compute, memory, comm, measured = gpu * f, compute * f, memory * f, comm * f, measured * f
         host = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
         seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
         if shape.num_spec and self.proposer is not None:
@@ -144,7 +148,6 @@ class CostModel:
                 seconds = max(seconds, load + seconds / self.model.num_layers)  # at the load plus one layer's work
             else:                            # before the forward
                 seconds += load
-        comm = tok[3]
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 
     def lora_seconds(self, shape: BatchShape) -> float:
@@ -180,12 +183,17 @@ class CostModel:
         a = self.kernels.decode(num_decode, contexts.astype(np.float64), np.maximum)
         out = np.empty((len(contexts), len(StepCost._fields)))
         gpu = (tok[0] + lm[0]) + a[0]
-        compute = out[:, 1] = (tok[1] + lm[1]) + a[1]
-        memory = out[:, 2] = (tok[2] + lm[2]) + a[2]
+        out[:, 1] = (tok[1] + lm[1]) + a[1]
+        out[:, 2] = (tok[2] + lm[2]) + a[2]
+        out[:, 3] = tok[3]
         out[:, 5] = (tok[4] + lm[3]) + a[3]
-        comm = out[:, 3] = tok[3]
         t = self.timing
+        if t.compiled_max_bs:
+            f = t.gpu_factor(num_decode, True, shape.cuda_graph)
+            gpu = gpu * f
+            out[:, 1:4] *= f
+            out[:, 5] *= f
         host = t.seq_cpu_s * num_decode + shape.num_structured * self.grammar_mask_s
         seconds = out[:, 0] = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s, np.maximum)
-        out[:, 4] = seconds - compute - memory - comm
+        out[:, 4] = seconds - out[:, 1] - out[:, 2] - out[:, 3]
         return out

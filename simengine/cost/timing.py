@@ -17,6 +17,11 @@ NATIVE_SEQ_CPU_S = 5e-6
 # trace study on vLLM 0.19, andyluo7.github.io 2026-05-14).
 PYTHON_FRONTEND_S = 3e-3
 NATIVE_FRONTEND_S = 1e-3
+# GPU time of a decode step run by a torch.compile'd model (Inductor's fused elementwise kernels and autotuned small-M
+# matmuls inside the captured graph) over the same step from the eager model's CUDA graph: Llama-3-8B, TP1, batch 1,
+# sglang.bench_latency 6.42 ms compiled against 7.37 ms (sgl-project/sglang issue #1008, 2024-08-09). At batch 128 the
+# compiled step was 4 % slower (12.31 against 11.84 ms), which is why SGLang compiles only up to torch_compile_max_bs.
+TORCH_COMPILE_DECODE_FACTOR = 6.42 / 7.37
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +43,15 @@ class EngineTiming:
     seq_cpu_s: float = 0.0            # host time per sequence in the step (sampling, stop checks, detokenising)
     frontend_s: float = 0.0           # per request: the serving frontend's parsing, tokenising and IPC to the engine
                                       # and the first token's way back (sim/runner.py delays arrivals by it)
+    compiled_max_bs: int = 0          # decode steps replayed from a graph with at most this many sequences run a
+                                      # torch.compile'd model (0: none)
+    compiled_gpu_factor: float = TORCH_COMPILE_DECODE_FACTOR   # their GPU time over the uncompiled graph's
+
+    def gpu_factor(self, num_decode: int, pure_decode: bool, cuda_graph: bool) -> float:
+        """What the step's GPU time is multiplied by: `compiled_gpu_factor` for a compiled decode step, else 1."""
+        if cuda_graph and pure_decode and 0 < num_decode <= self.compiled_max_bs:
+            return self.compiled_gpu_factor
+        return 1.0
 
     def graph_for(self, num_decode: int, pure_decode: bool) -> tuple[bool, int]:
         """(uses a graph, padded decode batch) for a step with `num_decode` decodes."""

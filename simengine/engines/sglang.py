@@ -1,12 +1,12 @@
-"""SGLang scheduler (srt/managers/scheduler.py, schedule_policy.py; 0.5.23) as read in shared engines.md §2.
+"""SGLang scheduler (srt/managers/scheduler.py, schedule_policy.py; 0.5.23); docs/engines/sglang.md.
 
-Prefill first: whenever a prefill batch can be formed it runs instead of decode (decodes pause for every
-chunk of a long prompt; mixed only with enable_mixed_chunk). The PrefillAdder admits in policy order while
-free + evictable radix tokens minus the running requests' projected decode growth (new_token_ratio x
-min(max_new, 4096)) covers the prompt and its own growth; at most one chunked request. new_token_ratio decays
-from 0.7 to 0.098 over 600 decode steps and jumps back after a retraction; a decode that does not fit retracts
-the request with the fewest outputs (tie: longest prompt), which recomputes later. Token-granular radix cache:
-prompts are inserted as prefill progresses, whole sequences at finish; LRU eviction of unlocked leaves.
+Prefill first: whenever a prefill batch can be formed it runs instead of decode (decodes pause for every chunk of a
+long prompt; mixed only with enable_mixed_chunk). The PrefillAdder admits in policy order while free + evictable
+radix tokens minus the running requests' projected decode growth (new_token_ratio x min(max_new, 4096)) covers the
+prompt and its own growth; at most one chunked request. new_token_ratio decays from 0.7 to 0.098 over 600 decode
+steps and jumps back after a retraction; a decode that does not fit retracts the request with the fewest outputs
+(tie: longest prompt), which recomputes later. Token-granular radix cache: prompts are inserted as prefill
+progresses, whole sequences at finish; LRU eviction of unlocked leaves.
 Speed device (docs/performance.md): steady decodes advance in a DecodeCohort on decode steps (`schedule_lockstep`)
 unless speculation, mixed chunks, adapters, the host tier or pipeline stages are on (a retraction dissolves it).
 """
@@ -48,8 +48,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
     lazy_decode = True  # speed device (module docstring)
     vendors = frozenset({"nvidia", "amd", "huawei"})
     kernel_backend = "sglang"  # SGLang's own kernels (aiconfigurator-core's sglang tables)
-    support_source = ("SGLang docs 'Install' (CUDA) and 'AMD GPUs' (ROCm MI300/MI325/MI355); Ascend NPUs via "
-                      "sgl-kernel-npu ('Ascend NPUs' platform page)")
+    support_source = "SGLang docs 'Install' (CUDA), 'AMD GPUs' (ROCm MI300/MI325/MI355), 'Ascend NPUs' (sgl-kernel-npu)"
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
     supports_attention_dp = True  # --enable-dp-attention with --dp-size (server_args.py enable_dp_attention)
     # --disaggregation-mode prefill: a finished request's KV stays locked in the inflight queue until the
@@ -140,7 +139,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
             cuda_graph_sizes=() if p.disable_cuda_graph else sglang_decode_graph_sizes(self.graph_max_bs),
             # prefill CUDA graphs up to chunked_prefill_size tokens (memory_hook.py prefill max_bs)
             graph_padding=True, graph_mixed_steps=not p.disable_cuda_graph and self.chunked_prefill_size > 0,
-            custom_allreduce=True)  # --disable-custom-all-reduce defaults to False (server_args.py)
+            custom_allreduce=True,  # --disable-custom-all-reduce defaults to False (server_args.py)
+            compiled_max_bs=p.torch_compile_max_bs * (p.enable_torch_compile and not p.disable_cuda_graph))
 
     # ---- queues -------------------------------------------------------------------------------------
     def num_running(self) -> int:

@@ -29,6 +29,7 @@ class StepFeatures:
     seqs: np.ndarray             # sequences in each step (decodes + prefill chunks)
     structured: np.ndarray       # requests sampling under a grammar mask
     graph: np.ndarray            # bool: replayed from a CUDA graph
+    gpu_factor: np.ndarray       # the step's GPU time multiplier (a torch.compile'd decode step; cost/timing.py)
     device: str                  # hardware name
     dtypes: tuple[str, str, str]  # compute dtypes of the linear op ('' at the engine's own rate), LM head, attention
     terms: DeviceTerms           # the device terms the steps were priced with
@@ -60,7 +61,9 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
     return StepFeatures(
         f=f, seqs=np.array([s.num_decode + len(s.prefill_chunks) for s in shapes], dtype=float),
         structured=np.array([s.num_structured for s in shapes], dtype=float),
-        graph=np.array([bool(s.cuda_graph) for s in shapes]), device=w.hw.name,
+        graph=np.array([bool(s.cuda_graph) for s in shapes]),
+        gpu_factor=np.array([t.gpu_factor(s.num_decode, not s.prefill_chunks and not s.spec_tokens, bool(s.cuda_graph))
+                             for s in shapes], dtype=float), device=w.hw.name,
         dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
         launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
@@ -70,7 +73,7 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
 def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.ndarray:
     """Seconds of every step at `device` terms (a DeviceTerms or any object with its fields; default: as recorded)
     and `engine` terms (ENGINE_FIELDS overrides); floats or per-step arrays."""
-    gpu = price(sf.f, device if device is not None else sf.terms)[0]
+    gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor
     e = {**(sf.engine or {}), **(engine or {})}
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
                              exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))

@@ -65,8 +65,8 @@ class FitData:
         self.preds = preds
         self.hw_groups = sorted(set(hw_group.values()))
         self.engines = sorted(set(p.engine for p in preds))
-        cols: dict[str, list] = {k: [] for k in (*FEATURES, "seqs", "structured", "graph", "w", "seg", "launches",
-                                                 "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
+        cols: dict[str, list] = {k: [] for k in (*FEATURES, "seqs", "structured", "graph", "gpu_factor", "w", "seg",
+                                                 "launches", "overlap", "grammar", "hwg", "eng", *GEMM_FIELDS)}
         base_dev: dict[str, list] = {k: [] for k in TERM_NAMES}
         base_eng: dict[str, list] = {k: [] for k in ENGINE_FIELDS}
         numer: list[float] = []
@@ -84,7 +84,8 @@ class FitData:
                 n = len(sf)
                 for k in FEATURES:
                     cols[k].append(np.broadcast_to(sf.f[k], (n,)))
-                for k, v in (("seqs", sf.seqs), ("structured", sf.structured), ("graph", sf.graph), ("w", w),
+                for k, v in (("seqs", sf.seqs), ("structured", sf.structured), ("graph", sf.graph),
+                             ("gpu_factor", sf.gpu_factor), ("w", w),
                              ("seg", np.full(n, seg)), ("launches", np.full(n, sf.launches)),
                              ("overlap", np.full(n, sf.overlap)), ("grammar", np.full(n, sf.grammar_mask_s)),
                              ("hwg", np.full(n, self.hw_groups.index(hw_group[sf.device])
@@ -110,6 +111,7 @@ class FitData:
         self.measured = np.array([p.row.value for p in preds])
         self.steps = SimpleNamespace(f={k: self.cols[k] for k in FEATURES}, seqs=self.cols["seqs"],
                                      structured=self.cols["structured"], graph=self.cols["graph"],
+                                     gpu_factor=self.cols["gpu_factor"],
                                      grammar_mask_s=self.cols["grammar"], launches=self.cols["launches"],
                                      overlap=self.cols["overlap"], terms=None, engine=None)
 

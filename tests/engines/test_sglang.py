@@ -5,7 +5,12 @@ import pytest
 
 from simengine.api import run_engine
 from simengine.config.scenario import EngineEntry
+from simengine.core.batch import BatchShape
 from simengine.core.request import Status
+from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.step import CostModel
+from simengine.cost.timing import TORCH_COMPILE_DECODE_FACTOR
+from simengine.cost.work import StepWork
 from simengine.engines.sglang import SglangEngine, SglangParams, sglang_decode_graph_sizes, sglang_gpu_defaults
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
@@ -227,6 +232,30 @@ def test_cuda_graph_padding_for_decode_steps():
     run_step(eng)
     out, _ = run_step(eng, 0.02)
     assert out.shape.num_decode == 3 and out.shape.cuda_graph and out.shape.padded_decode == 4
+
+
+def test_torch_compile_prices_the_decode_graphs_it_compiles_by_the_measured_factor():
+    """--enable-torch-compile: decode graphs of up to torch_compile_max_bs sequences run the compiled model, whose
+    GPU time is TORCH_COMPILE_DECODE_FACTOR of the plain graph's; larger decodes and prefills are untouched."""
+    plain, compiled = engine(disable_overlap_schedule=True), engine(disable_overlap_schedule=True,
+                                                                     enable_torch_compile=True)
+    assert plain.timing.compiled_max_bs == 0 and compiled.timing.compiled_max_bs == 32
+    assert engine(enable_torch_compile=True, disable_cuda_graph=True).timing.compiled_max_bs == 0
+    dep = make_dep()
+    w = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes)
+    terms = DeviceTerms.of(w, dep.hardware, custom_allreduce=True)
+    a, b = (CostModel(RooflineKernels(w, terms), e.timing) for e in (plain, compiled))
+    t = plain.timing
+    for bs, factor in ((1, TORCH_COMPILE_DECODE_FACTOR), (32, TORCH_COMPILE_DECODE_FACTOR), (33, 1.0)):
+        graph, padded = t.graph_for(bs, True)
+        shape = BatchShape(num_decode=bs, decode_context_tokens=600 * bs, num_logits=bs, padded_decode=padded,
+                           cuda_graph=graph)
+        sa, sb = a.step(shape), b.step(shape)
+        gpu = sa.seconds - t.graph_replay_s - t.exposed_host_s(0.0, t.seq_cpu_s * bs)
+        assert sa.seconds - sb.seconds == pytest.approx((1 - factor) * gpu, rel=1e-9, abs=1e-15)
+        assert sb.memory_s == pytest.approx(factor * sa.memory_s, rel=1e-12)
+    prefill = BatchShape(prefill_chunks=[(500, 0)], num_logits=1)
+    assert a.step(prefill) == b.step(prefill)
 
 
 def test_requests_that_cannot_fit_are_rejected_and_bad_params_raise():

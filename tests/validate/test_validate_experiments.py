@@ -100,11 +100,12 @@ def test_sharegpt_rows_run_the_length_table_at_the_stated_or_tokenizer_means():
 def test_engine_flags_quoted_in_the_notes_become_params():
     from simengine.validate.bench_tools import engine_params
 
-    r = row(engine="sglang", notes="SGLang (--disable-radix-cache --mem-frac 0.88 --enable-torch-compile); "
-                                   "bench=sglang.bench_serving --backend sglang --dataset-name sharegpt")
+    r = row(engine="sglang", notes="SGLang (--disable-radix-cache --mem-frac 0.88 --enable-torch-compile "
+                                   "--enable-nan-detection); bench=sglang.bench_serving --backend sglang "
+                                   "--dataset-name sharegpt")
     params, note = engine_params(r, "sglang")
-    assert params == {"disable_radix_cache": True, "mem_fraction_static": 0.88}
-    assert "--enable-torch-compile" in note and "--backend" not in note
+    assert params == {"disable_radix_cache": True, "mem_fraction_static": 0.88, "enable_torch_compile": True}
+    assert "not modelled: --enable-nan-detection" in note and "--backend" not in note
     params, _ = engine_params(row(engine="vllm", notes="vLLM (--max_model_len 4096); max_num_seqs=512"), "vllm")
     assert params == {"max_model_len": 4096, "max_num_seqs": 512}
 
