@@ -254,38 +254,49 @@ def _jsonable(obj):
 
 def write_results(scenario: Scenario, results: dict[str, EngineResult], out_dir: Path) -> Path:
     """Write results/<scenario>/<label>/{summary.json,requests.csv,steps.csv,run_info.json,config.yaml,trace.json,
-    metrics.csv,metrics.prom,vllm_bench_serve.json} and return results/<scenario>. Each engine's folder is written
-    under a hidden temporary name and replaces that engine's old folder only when complete; other engines' folders
-    are left as they are. So an interrupt or a failure leaves every folder either as it was or new, never a mix or a
-    half-written file, and a run of some engines never removes the results of the others."""
+    metrics.csv,metrics.prom,vllm_bench_serve.json} and return results/<scenario>. Every engine's folder is written
+    under a hidden temporary name first; only when all are complete do they replace those engines' old folders.
+    Folders of engines not in `results` are left as they are. So an interrupt or a failure leaves the results as
+    they were or all new, never a half-written file, and a run of some engines never removes the others' results."""
     final = out_dir / scenario.name
+    fresh = not final.exists()
     final.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_dump(_jsonable(scenario), sort_keys=False)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")   # vllm_bench_serve.json's "date", as vLLM writes it
-    for label, r in results.items():
-        _replace_folder(final / label, lambda d, r=r: _write_engine(d, r, config, scenario, date))
+    try:
+        _replace_folders(final, {label: lambda d, r=r: _write_engine(d, r, config, scenario, date)
+                                 for label, r in results.items()})
+    except BaseException:
+        if fresh and not any(final.iterdir()):
+            final.rmdir()   # an interrupted first write leaves no empty scenario folder either
+        raise
     return final
 
 
-def _replace_folder(final: Path, fill) -> None:
-    """Fill a hidden temporary folder, then put it in place of `final` with two renames: at every instant the name
-    holds a complete folder or none, and an interrupt brings the previous one back."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+def _replace_folders(parent: Path, fills: dict) -> None:
+    """Fill a hidden temporary folder for each name, then put them in place of `parent/name` by renames; an
+    interrupt before the last rename removes the new folders and brings every previous one back."""
+    umask = os.umask(0)
+    os.umask(umask)
+    made: list[tuple[Path, Path, Path]] = []   # (final, temporary folder, where the previous folder is moved)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)   # mkdtemp's folder is private; results are as readable as any new folder
-        fill(tmp)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
+        for name, fill in fills.items():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=parent))
+            made.append((parent / name, tmp, parent / f".{name}.old-{os.getpid()}"))
+            tmp.chmod(0o777 & ~umask)   # mkdtemp's folder is private; results are as readable as any new folder
+            fill(tmp)
+        for final, tmp, old in made:
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not final.exists():
-            old.rename(final)       # interrupted between the renames: the previous results come back
+        for final, tmp, old in made:
+            shutil.rmtree(tmp if tmp.exists() else final, ignore_errors=True)   # a placed new folder goes too
+            if old.exists() and not final.exists():
+                old.rename(final)   # the previous results come back
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    for _, _, old in made:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_engine(d: Path, r: EngineResult, config: str, scenario: Scenario, date: str) -> None:

@@ -43,8 +43,9 @@ def _files(root: Path) -> list[str]:
 def test_a_signal_mid_run_writes_nothing_and_says_so(tmp_path, sig):
     out, plots = tmp_path / "results", tmp_path / "plots"
     p = subprocess.Popen([sys.executable, "-m", "simengine", "run", "agent_multiturn", "--out", str(out),
-                          "--plots", str(plots)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_cpu(p.pid, 6.0)           # past the imports and validation (~3 s of CPU): simulating
+                          "--plots", str(plots), "--set", "horizon_s=900"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _wait_for_cpu(p.pid, 6.0)   # past the imports and validation (~3 s of CPU): simulating (some 40 s of CPU)
     p.send_signal(sig)
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 130, stderr
@@ -76,6 +77,44 @@ def test_an_interrupt_while_writing_keeps_the_previous_results_whole(tmp_path, m
         write_results(sc, res, tmp_path)
     assert {f: (first / f).read_bytes() for f in _files(first) if (first / f).is_file()} == before
     assert [p.name for p in tmp_path.iterdir()] == [sc.name]     # no temporary folder left behind
+
+
+def test_an_interrupted_first_write_leaves_no_folder(tmp_path, monkeypatch):
+    sc, res = _results()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pd.DataFrame, "to_csv", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_results(sc, res, tmp_path / "results")
+    assert _files(tmp_path / "results") == []
+
+
+@pytest.mark.parametrize("at", range(1, 11))
+def test_an_interrupt_anywhere_in_writing_two_engines_leaves_the_previous_results(tmp_path, monkeypatch, at):
+    """All engines' folders or none: an interrupt while filling the second folder or at any rename of the swap
+    brings back both previous folders, byte for byte, and leaves no hidden folder."""
+    sc, other = (make_scenario(engines=["vllm", "sglang"], horizon_s=h) for h in (5.0, 4.0))
+    first = write_results(sc, compare(sc), tmp_path)
+    res = compare(other)   # different results under the same scenario name
+    before = {f: (first / f).read_bytes() for f in _files(first) if (first / f).is_file()}
+    calls = []
+    to_csv, rename = pd.DataFrame.to_csv, Path.rename
+
+    def count(original):
+        def wrapped(self, *a, **k):
+            calls.append(1)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+            return original(self, *a, **k)
+        return wrapped
+    monkeypatch.setattr(pd.DataFrame, "to_csv", count(to_csv))   # 3 CSVs a folder: calls 1-6, renames 7-10
+    monkeypatch.setattr(Path, "rename", count(rename))
+    with pytest.raises(KeyboardInterrupt):
+        write_results(other, res, tmp_path)
+    monkeypatch.undo()
+    assert {f: (first / f).read_bytes() for f in _files(first) if (first / f).is_file()} == before
+    assert sorted(p.name for p in first.iterdir()) == ["sglang", "vllm"]
 
 
 def test_an_interrupt_while_drawing_leaves_no_partial_figure(tmp_path, monkeypatch):
