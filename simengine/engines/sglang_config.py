@@ -54,7 +54,8 @@ class SglangParams(Checked):
     disable_cuda_graph: bool = False               # fields/exec_.py
     cuda_graph_max_bs_decode: Sequences | None = None  # None: by GPU memory, 256 on H100 at tp<4 (memory_hook.py)
     # cuda_graph_runner.py compiles the captured decode graphs of up to torch_compile_max_bs sequences (fields/exec_.py;
-    # both flags since v0.3, server_args.py of v0.3.x; their price: cost/timing.py TORCH_COMPILE_DECODE_FACTOR)
+    # enable_torch_compile since v0.2 (issue #1008); the limit was --max-torch-compile-bs in v0.3 (PR #1497's
+    # commands); their price: cost/timing.py TORCH_COMPILE_DECODE_FACTOR)
     enable_torch_compile: bool = False
     torch_compile_max_bs: Sequences = 32
     context_length: Tokens | None = None           # None: the model's max_position_embeddings

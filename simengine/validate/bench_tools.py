@@ -67,8 +67,9 @@ _FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()]*|[^\s;()-][^\s;()]
 CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
                           "tokenizer", "disable-log-requests", "disable-log-stats", "ignore-eos", "model", "port",
                           "host", "tensor", "tp", "tensor-parallel-size", "dtype"})
-# argparse accepts unambiguous prefixes; the abbreviations sources print, as the engine's full argument name
-FLAG_ALIASES = {"mem_frac": "mem_fraction_static"}
+# argparse accepts unambiguous prefixes; the abbreviations sources print, and flags since renamed, as the engine's
+# argument name today (SGLang v0.3's --max-torch-compile-bs, PR #1497)
+FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torch_compile_max_bs"}
 # machine-readable notes items that are engine knobs (README 'Machine-readable notes'; vLLM names) -> field name
 NOTE_KNOBS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
               "gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",

@@ -101,10 +101,11 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     from simengine.validate.bench_tools import engine_params
 
     r = row(engine="sglang", notes="SGLang (--disable-radix-cache --mem-frac 0.88 --enable-torch-compile "
-                                   "--enable-nan-detection); bench=sglang.bench_serving --backend sglang "
-                                   "--dataset-name sharegpt")
+                                   "--max-torch-compile-bs 16 --enable-nan-detection); bench=sglang.bench_serving "
+                                   "--backend sglang --dataset-name sharegpt")
     params, note = engine_params(r, "sglang")
-    assert params == {"disable_radix_cache": True, "mem_fraction_static": 0.88, "enable_torch_compile": True}
+    assert params == {"disable_radix_cache": True, "mem_fraction_static": 0.88, "enable_torch_compile": True,
+                      "torch_compile_max_bs": 16}
     assert "not modelled: --enable-nan-detection" in note and "--backend" not in note
     params, _ = engine_params(row(engine="vllm", notes="vLLM (--max_model_len 4096); max_num_seqs=512"), "vllm")
     assert params == {"max_model_len": 4096, "max_num_seqs": 512}
