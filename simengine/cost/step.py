@@ -43,8 +43,13 @@ class StepCost(NamedTuple):
 def step_seconds(gpu, cuda_graph, host_extra, t: EngineTiming, launch_s, maximum=max):
     """Step seconds from GPU seconds: a captured CUDA graph replays in one launch; an eager step lasts at least as
     long as the host takes to enqueue its kernels; then the host work the engine does not overlap with the GPU.
-    Floats or arrays (`cuda_graph` a bool or a bool array; the blend by 0/1 is exact)."""
-    total = cuda_graph * (gpu + t.graph_replay_s) + (1 - cuda_graph) * maximum(gpu, launch_s)
+    Floats or arrays (`cuda_graph` a bool, or a bool array: then a blend by 0/1, which gives the same floats)."""
+    if cuda_graph is True:
+        total = gpu + t.graph_replay_s
+    elif cuda_graph is False:
+        total = maximum(gpu, launch_s)
+    else:
+        total = cuda_graph * (gpu + t.graph_replay_s) + (1 - cuda_graph) * maximum(gpu, launch_s)
     return total + t.exposed_host_s(total, host_extra)
 
 

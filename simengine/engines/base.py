@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import ClassVar
 
+import numpy as np
+
 from simengine.core.batch import BatchShape, SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
@@ -234,10 +236,11 @@ class EnginePolicy(ABC):
         """Context tokens a repeat of this decode step reads more than the step before: one per decode."""
         return shape.num_decode
 
-    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float] | np.ndarray:
         """Apply `len(ends)` repeats of `out` (proved by `repeat_steps`) ending at `ends`, as that many `update`
-        calls would, and return kv_usage() after each. Each repeat gives every scheduled request one token and
-        finishes none. This default makes the calls; an engine with a closed form for its state overrides it."""
+        calls would, and return kv_usage() after each (a list or an array). Each repeat gives every scheduled
+        request one token and finishes none. This default makes the calls; an engine with a closed form for its
+        state overrides it."""
         usages = []
         for end in ends:
             self.update(out, end)

@@ -105,6 +105,7 @@ class LlamaCppEngine(EnginePolicy):
         self.clock = 0
         self.query_tokens = self.hit_tokens = 0
         self.num_truncated = 0
+        self.truncated_reason = f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off"
 
     @classmethod
     def speculation_of(cls, params: LlamaCppParams, dep: Deployment) -> Speculation | None:
@@ -174,15 +175,14 @@ class LlamaCppEngine(EnginePolicy):
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared update, then the context limit: with context shift off a slot stops at n_ctx (STOP_TYPE_LIMIT)."""
         res = super().update(out, now)
-        self.num_truncated += self.stop_at_length(
-            out, res, now, self.n_ctx_slot, f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off")
+        self.num_truncated += self.stop_at_length(out, res, now, self.n_ctx_slot, self.truncated_reason)
         return res
 
-    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> list[float]:
+    def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> np.ndarray:
         """Every slot gains a cell a repeat; nothing else changes (no slot stops: repeat_steps stays short of it)."""
         used, busy = sum([s.cells for s in self.slots]), self.num_busy
         self.advance_decodes(out, ends)
-        return ((used + busy * np.arange(1, len(ends) + 1)) / self.n_ctx).tolist()
+        return (used + busy * np.arange(1, len(ends) + 1)) / self.n_ctx
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """Every slot busy and decoding, the iteration one forward: up to the iteration in which a slot finishes or
@@ -278,7 +278,7 @@ class LlamaCppEngine(EnginePolicy):
         if self.speculation is not None:   # each generating slot verifies its drafts (server-context.cpp) in a ubatch
             entries = [(r, 1 + min(self.drafts(r, len(entries)), self.n_ubatch - 1)) for r, _ in entries]
         if self.params.cont_batching or not entries:
-            room = self.n_batch - sum(n for _, n in entries)
+            room = self.n_batch - sum([n for _, n in entries])
             for s in self.slots:
                 if s.req is not None and not s.req.num_output_tokens and room > 0:
                     n = min(s.req.num_new_tokens, room)
@@ -286,7 +286,7 @@ class LlamaCppEngine(EnginePolicy):
                     room -= n
         if not entries:
             return
-        need = sum(n for _, n in entries)
+        need = sum([n for _, n in entries])
         if need > self._free_cells():
             self._purge_idle(need)               # try_clear_idle_slots, one slot per failed decode
             if need > self._free_cells():
@@ -297,7 +297,7 @@ class LlamaCppEngine(EnginePolicy):
     def _free_cells(self) -> int:
         if not self.kv_unified:
             return self.n_ctx  # per-slot streams: the n_ctx_slot limits already keep every slot in its cells
-        return self.n_ctx - sum(s.cells for s in self.slots)
+        return self.n_ctx - sum([s.cells for s in self.slots])
 
     def _purge_idle(self, need: int) -> None:
         for s in self.slots:

@@ -232,20 +232,17 @@ class Replica:
             if self.check:
                 engine.check_invariants()
             return
-        rows = np.empty((k, len(STEP_FIELDS)))  # _complete's row, column by column
-        rows[:, 0] = self.index
+        rows = np.empty((k, len(STEP_FIELDS)))  # _complete's row: what all repeats share, then column by column
+        # (times and KV usage filled below; repeats preempt nobody, though `out` may have, and carry no drafts)
+        rows[:] = (self.index, 0.0, 0.0, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(),
+                   engine.num_waiting(), 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape.cuda_graph, n, 0)
         rows[0, 1] = start
         rows[1:, 1] = ends[:-1]
         rows[:, 2] = ends
-        rows[:, 3:8] = (n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(), engine.num_waiting())
         if waiting is not None:
             rows[:, 7] = waiting
         rows[:, 8] = usages
-        rows[:, 9] = 0             # repeats preempt nobody (`out` may have)
         rows[:, 10:16] = costs
-        rows[:, 16] = shape.cuda_graph
-        rows[:, 17] = n             # every scheduled request's token
-        rows[:, 18] = 0             # repeats carry no speculative drafts
         self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
         if self.check:
             engine.check_invariants()
