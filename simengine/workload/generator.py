@@ -21,6 +21,7 @@ from simengine.workload.config import RequestClass, TraceConfig, WorkloadConfig
 
 STREAM_ARRIVALS, STREAM_LENGTHS, STREAM_TOKENS, STREAM_PREFIX, STREAM_SESSIONS, STREAM_TRACE = range(6)
 HASH_BATCH = 512  # open-loop requests made and hashed together: the per-pass overhead is spread, memory stays small
+TOKEN_BLOCK = 1 << 20   # token ids drawn ahead at most (4 MiB)
 LENGTH_BLOCK = 512  # plain requests whose lengths are drawn in one numpy call (the values one call each would draw)
 
 
@@ -55,6 +56,7 @@ class RequestFactory:
         self.rng_arrivals = np.random.default_rng(children[STREAM_ARRIVALS])
         self.rng_lengths = np.random.default_rng(children[STREAM_LENGTHS])
         self.rng_tokens = np.random.default_rng(children[STREAM_TOKENS])
+        self._token_pool, self._token_at, self._token_block = np.zeros(0, dtype=np.int32), 0, 1 << 12   # `tokens`
         self.prefix = np.random.default_rng(children[STREAM_PREFIX]).integers(
             0, vocab_size, cfg.shared_prefix_tokens, dtype=np.int32)
         self._session_entropy = children[STREAM_SESSIONS].entropy
@@ -91,7 +93,20 @@ class RequestFactory:
         return rid
 
     def tokens(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return rng.integers(0, self.vocab, n, dtype=np.int32)
+        """n token ids drawn from `rng`. From `rng_tokens`, where nothing else draws from it (no structured-output
+        coin), they are copied out of blocks drawn ahead: a stream's consecutive integer draws are the values one
+        draw of their total gives (tests/workload/test_generator.py), and one numpy call a request costs more than
+        its tokens. A copy, not a view: prompt caches keep slices of token arrays, which must not hold a block."""
+        if rng is not self.rng_tokens or self.cfg.structured_output.fraction:
+            return rng.integers(0, self.vocab, n, dtype=np.int32)
+        pool, at = self._token_pool, self._token_at
+        if at + n > len(pool):   # the rest of the block, then a new one (each twice the last, up to TOKEN_BLOCK)
+            self._token_block = min(2 * self._token_block, TOKEN_BLOCK)
+            more = rng.integers(0, self.vocab, max(self._token_block, n - (len(pool) - at)), dtype=np.int32)
+            pool, at = np.concatenate([pool[at:], more]), 0
+            self._token_pool = pool
+        self._token_at = at + n
+        return pool[at:at + n].copy()
 
     def pick_adapter(self, rng: np.random.Generator) -> tuple[int, int]:
         """(LoRA adapter, its rank) for a request or session; (-1, 0) for the base model."""

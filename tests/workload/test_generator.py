@@ -1,9 +1,11 @@
-"""The request generator's block draws of plain requests' lengths equal the one-by-one draws they replace."""
+"""The request generator's block draws (plain requests' lengths, token ids drawn ahead) equal the one-by-one draws they
+replace."""
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simengine.workload.generator import LENGTH_BLOCK, RequestFactory
+from simengine.workload.generator import LENGTH_BLOCK, STREAM_TOKENS, TOKEN_BLOCK, RequestFactory
 from tests.conftest import make_scenario
 
 DISTS = [
@@ -33,3 +35,22 @@ def test_block_drawn_lengths_are_the_one_by_one_draws(dist_in, dist_out, seed, c
     families = {dist_in["dist"], dist_out["dist"]} - {"constant"}
     assert blocked._block_lengths == (len(families) <= 1 and not families & {"uniform", "empirical"})
     assert plain_lengths(blocked, n) == plain_lengths(one_by_one, n)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.lists(st.integers(1, TOKEN_BLOCK // 3), min_size=1, max_size=12),
+       st.sampled_from([0.0, 0.5]))
+def test_token_ids_drawn_ahead_are_the_one_by_one_draws(seed, sizes, structured):
+    """Consecutive draws of a numpy integer stream give the values one draw of their total gives, so slicing
+    requests' token ids from blocks drawn ahead changes no request; with a structured-output coin drawn from the same
+    stream the generator draws one by one."""
+    sc = make_scenario(workload__structured_output={"fraction": structured})
+    factory = RequestFactory(sc.workload, seed, 32000, 131072)
+    reference = np.random.default_rng(np.random.SeedSequence(seed).spawn(6)[STREAM_TOKENS])
+    for n in sizes:
+        got = factory.tokens(factory.rng_tokens, n)
+        assert got.dtype == np.int32 and len(got) == n
+        assert np.array_equal(got, reference.integers(0, 32000, n, dtype=np.int32))
+        if structured:
+            assert factory.rng_tokens.uniform() == reference.uniform()
+    assert (len(factory._token_pool) == 0) == bool(structured)   # drawn ahead only without the coin
