@@ -180,4 +180,4 @@ class RooflineKernels:
         c, m = self._decode_work(num_decode, context_tokens)
         t = self.terms
         s, cs, ms = bound(c, m, t.g_attn, t.memory_fraction, maximum)
-        return s + self.work.model.num_layers * t.kernel_floor_s, cs, ms, 0.0 * s
+        return s + self.work.model.num_layers * t.kernel_floor_s, cs, ms, 0.0   # (a float broadcasts over arrays)

@@ -185,7 +185,7 @@ class CostModel:
         num_decode = shape.num_decode
         tok = self.token_parts(shape.padded_decode if shape.padded_decode > num_decode else num_decode)
         lm = self.logit_parts(shape.num_logits)
-        a = self.kernels.decode(num_decode, contexts.astype(np.float64), np.maximum)
+        a = self.kernels.decode(num_decode, np.asarray(contexts, dtype=np.float64), np.maximum)
         out = np.empty((len(contexts), len(StepCost._fields)))
         gpu = (tok[0] + lm[0]) + a[0]
         out[:, 1] = (tok[1] + lm[1]) + a[1]

@@ -156,7 +156,7 @@ class Replica:
         env, shape, engine = self.env, out.shape, self.engine
         ctx = shape.decode_context_tokens
         growth = engine.context_growth(shape)
-        costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1, steps + 1, dtype=np.int64))
+        costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1.0, steps + 1))   # integers, exact as floats
         seconds = costs[:, 0]
         outlast = not self.watched and engine.repeats_outlast_arrivals
         bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
