@@ -56,7 +56,9 @@ class RequestFactory:
         self.rng_arrivals = np.random.default_rng(children[STREAM_ARRIVALS])
         self.rng_lengths = np.random.default_rng(children[STREAM_LENGTHS])
         self.rng_tokens = np.random.default_rng(children[STREAM_TOKENS])
-        self._token_pool, self._token_at, self._token_block = np.zeros(0, dtype=np.int32), 0, 1 << 12   # `tokens`
+        # `tokens`: rng_tokens' ids drawn ahead, unless a structured-output coin draws from the same stream
+        self._draw_ahead = not cfg.structured_output.fraction
+        self._token_pool, self._token_at, self._token_block = np.zeros(0, dtype=np.int32), 0, 1 << 12
         self.prefix = np.random.default_rng(children[STREAM_PREFIX]).integers(
             0, vocab_size, cfg.shared_prefix_tokens, dtype=np.int32)
         self._session_entropy = children[STREAM_SESSIONS].entropy
@@ -97,7 +99,7 @@ class RequestFactory:
         coin), they are copied out of blocks drawn ahead: a stream's consecutive integer draws are the values one
         draw of their total gives (tests/workload/test_generator.py), and one numpy call a request costs more than
         its tokens. A copy, not a view: prompt caches keep slices of token arrays, which must not hold a block."""
-        if rng is not self.rng_tokens or self.cfg.structured_output.fraction:
+        if rng is not self.rng_tokens or not self._draw_ahead:
             return rng.integers(0, self.vocab, n, dtype=np.int32)
         pool, at = self._token_pool, self._token_at
         if at + n > len(pool):   # the rest of the block, then a new one (each twice the last, up to TOKEN_BLOCK)
