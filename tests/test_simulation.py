@@ -117,22 +117,55 @@ def _md1(base):
             "engines": [{"engine": "vllm", "params": {"max_num_seqs": 1, "enable_prefix_caching": False}}]}
 
 
-def test_pipeline_parallel_keeps_micro_batches_in_flight():
-    """vLLM under pp=4 keeps 4 batches in the pipeline: throughput well above running the stages in sequence
-    (one batch at a time), the same requests complete, and the KV invariants hold every step."""
-    from simengine.engines.vllm import VllmEngine
+def _pipelined_engines() -> list[str]:
+    from simengine.engines.base import ENGINES
+    return [n for n in ENGINES.names() if ENGINES.get(n).supports_pipeline_microbatches]
+
+
+@pytest.mark.parametrize("engine", _pipelined_engines())
+def test_pipeline_parallel_keeps_micro_batches_in_flight(engine):
+    """Under pp=4 an engine with pipeline micro-batches keeps 4 batches in the pipeline: throughput well above running
+    the stages in sequence (one batch at a time), the same requests complete, the invariants hold every step (no
+    request in two micro-batches at once), and no batch enters the first stage before the one ahead has left it."""
+    from simengine.engines.base import ENGINES
+    cls = ENGINES.get(engine)
     sc = make_scenario(deployment={"hardware": "h100_sxm", "model": "llama-3.1-70b", "pp": 4, "tp": 2},
                        workload={"arrival": {"process": "offline"}, "num_requests": 200,
                                  "input_tokens": {"dist": "constant", "value": 500},
                                  "output_tokens": {"dist": "constant", "value": 100}}, horizon_s=0.0, drain_s=1e5)
-    piped = run_engine(sc, EngineEntry(engine="vllm"), check_invariants=True).summary
-    VllmEngine.supports_pipeline_microbatches = False
+    # batches of at most 64, so 200 requests fill the 4 micro-batches (TensorRT-LLM's default 2048 takes them all)
+    entry = EngineEntry(engine=engine, params={"trtllm": {"max_batch_size": 64}}.get(engine, {}))
+    piped = run_engine(sc, entry, check_invariants=True)
+    cls.supports_pipeline_microbatches = False
     try:
-        serial = run_engine(sc, EngineEntry(engine="vllm")).summary
+        serial = run_engine(sc, entry).summary
     finally:
-        VllmEngine.supports_pipeline_microbatches = True
-    assert piped["completed"] == serial["completed"] == 200
-    assert piped["output_throughput"] > 2.0 * serial["output_throughput"]
+        cls.supports_pipeline_microbatches = True
+    assert piped.summary["completed"] == serial["completed"] == 200
+    assert piped.summary["output_throughput"] > 2.0 * serial["output_throughput"]
+    steps = piped.steps.sort_values("start_s")
+    assert steps["step_s"].sum() > 2.0 * (steps["end_s"].max() - steps["start_s"].min())   # overlapping batches
+
+
+def test_a_pipeline_stage_keeps_the_host_work_of_each_micro_batch():
+    """A micro-batch holds the first stage for its share of the GPU work plus the whole host work (every rank
+    schedules and prepares each micro-batch): with no host work the stage is the step / stages; each second of
+    synchronous host work adds a whole second to the stage; an overlapped loop hides it behind the stage's GPU."""
+    import dataclasses
+
+    from simengine.core.batch import BatchShape
+    from simengine.sim.build import build_deployment, build_engine, cost_model
+    sc = make_scenario(deployment={"hardware": "h100_sxm", "model": "llama-3.1-70b", "pp": 4, "tp": 2})
+    cost = cost_model(build_engine(EngineEntry(engine="trtllm"), build_deployment(sc)))
+    shape = BatchShape(num_decode=64, decode_context_tokens=64 * 600, num_logits=64)
+    for overlap in (False, True):
+        for host_s in (0.0, 0.004):
+            cost.timing = dataclasses.replace(cost.timing, overlap=overlap, scheduler_cpu_s=host_s, output_cpu_s=0.0,
+                                              seq_cpu_s=0.0)
+            step = cost.step(shape).seconds
+            stage = cost.stage_seconds(shape, step, 4)
+            gpu = step - (0.0 if overlap else host_s)
+            assert stage == pytest.approx(max(gpu / 4, host_s) if overlap else gpu / 4 + host_s)
 
 
 def test_the_frontend_delays_every_request_by_its_latency():

@@ -9,7 +9,8 @@ into an empty engine. Generation tokens fill the budget first, then whole prompt
 FCFS chunks rounded to tokens_per_block). Block reuse is a radix of full blocks; a context request whose first
 new block another request is producing this step waits (beneficialToSkip). The overlap scheduler launches step
 n+1 before step n's stop checks, so every request runs one extra decode step and is seen finished one step
-later. CUDA graphs cover generation-only batches of captured sizes (1..31, 32, 64, 128; no padding).
+later. CUDA graphs cover generation-only batches of captured sizes (1..31, 32, 64, 128; no padding). With pp > 1
+the PP loop keeps pp micro-batches in flight and schedules none of their requests until their batch comes back.
 
 Simulation speed (not a TensorRT-LLM mechanism): under GUARANTEED_NO_EVICT and STATIC_BATCH without speculation,
 steady generation requests are advanced as one lazy cohort (engines/decode_cohort.py, `schedule_decodes`).
@@ -57,6 +58,8 @@ class TrtllmEngine(PagedEngine):
     supports_expert_parallel = True  # TensorRT-LLM moe_expert_parallel_size (llm_args.py)
     supports_attention_dp = True  # enable_attention_dp (llm_args.py; docs/source/features/parallel-strategy.md)
     lazy_decode = True  # speed device (module docstring)
+    # py_executor.py _executor_loop_pp: micro_batches = [None] * pp_size, inflight_req_ids; no overlap, no drafts
+    supports_pipeline_microbatches = True
 
     def __init__(self, params: TrtllmParams, dep: Deployment):
         p = params
@@ -64,9 +67,10 @@ class TrtllmEngine(PagedEngine):
             raise InputError(f"TensorRT-LLM does not load ggml {dep.weight_format.name} weights; use bf16, fp8, "
                              "int4 (AWQ/GPTQ W4A16) or nvfp4", field="deployment.weight_dtype")
         self.max_num_tokens, self.max_batch_size = p.max_num_tokens, p.max_batch_size
-        self.step_token_limit, self.batch_size_limit = p.max_num_tokens, p.max_batch_size
+        self.max_num_sequences = p.max_batch_size * dep.pp  # started: _util.py scheduler_capacity (per micro-batch)
+        self.step_token_limit, self.batch_size_limit = p.max_num_tokens, self.max_num_sequences
         self.policy = p.capacity_scheduler_policy
-        self.overlap = not p.disable_overlap_scheduler
+        self.overlap = not p.disable_overlap_scheduler and dep.pp == 1   # the PP loop has no overlap
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
         self.kv = trtllm_kv_cache(p, dep)
@@ -79,6 +83,7 @@ class TrtllmEngine(PagedEngine):
         self.reuse = ContextReuse(self.kv)   # beneficialToSkip and the blocks contexts produce this step
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
         self.onboarded = 0                    # tokens this step copies in from the host pool
+        self.in_flight: set[int] = set()      # pp > 1: requests of micro-batches still in the pipeline
         lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.policy != "MAX_UTILIZATION"
         self.cohort = DecodeCohort(self.kv, self.max_num_tokens) if lazy else None
 
@@ -130,6 +135,7 @@ class TrtllmEngine(PagedEngine):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
+        self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         ending = self.tails   # empty without overlap; never cohort members (their last token is not in sight)
         tails = [r for r, _ in islice(out.scheduled, out.num_lazy, None) if r.request_id in ending] if ending else []
         live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending],
@@ -168,6 +174,8 @@ class TrtllmEngine(PagedEngine):
             out.idle_reason = "head request's KV reservation or prompt does not fit yet"
         out.shape = self.make_shape(out.scheduled, out.num_lazy)
         out.shape.host_load_tokens, self.onboarded = self.onboarded, 0
+        if self.dep.pp > 1:
+            self.in_flight.update(r.request_id for r, _ in out.scheduled)
         return out
 
     def _available_blocks(self) -> int:
@@ -193,7 +201,7 @@ class TrtllmEngine(PagedEngine):
         avail = self._available_blocks()
         taken = 0
         for req in self.gen_init:
-            if len(self.running) + len(self.loading) >= self.max_batch_size:
+            if len(self.running) + len(self.loading) >= self.max_num_sequences:
                 break
             need = (self.kv.blocks_for(req.prompt_len) if self.policy == "MAX_UTILIZATION" else
                     self.reservations.horizon(req))
@@ -246,7 +254,8 @@ class TrtllmEngine(PagedEngine):
         """Every generation request that fits, in arrival order; returns the running contexts."""
         decoding: list[Request] = []
         contexts: list[Request] = []
-        for r in self.running:  # Request.is_decoding, inline
+        flight = self.in_flight   # pp > 1: requests whose micro-batch is still in the pipeline wait for it
+        for r in [r for r in self.running if r.request_id not in flight] if flight else self.running:
             (decoding if r.num_output_tokens and r.prompt_len + r.num_output_tokens - r.num_computed_tokens == 1
              else contexts).append(r)
         allocate = self.kv.allocate_slots
@@ -278,7 +287,7 @@ class TrtllmEngine(PagedEngine):
         avail = self._available_blocks()
         keys = self.reuse.contributed_keys(self.running)
         i = 0
-        while i < len(self.waiting) and budget.slots > 0 and len(self.running) < self.max_batch_size:
+        while i < len(self.waiting) and budget.slots > 0 and len(self.running) < self.max_num_sequences:
             req = self.waiting[i]
             hit = self.reuse.lookup(req)
             # blocks of the prompt past the GPU hit that sit in the secondary (host) pool are onboarded: new blocks,
@@ -320,7 +329,8 @@ class TrtllmEngine(PagedEngine):
     def _schedule_max_utilization(self, out: SchedulerOutput, now: float) -> None:
         """One fused pass in arrival order: admit on next-step blocks, pause the newest started when short."""
         budget = MicroBatchBudget(self.max_num_tokens, self.max_batch_size)
-        order = sorted(self.running + self.waiting, key=arrival_order)
+        flight = self.in_flight   # pp > 1: requests whose micro-batch is still in the pipeline wait for it
+        order = sorted([r for r in self.running if r.request_id not in flight] + self.waiting, key=arrival_order)
         keys = self.reuse.contributed_keys(self.running)
         i, end = 0, len(order)
         while i < end:
@@ -338,11 +348,13 @@ class TrtllmEngine(PagedEngine):
                 n, charge = self._context_tokens(req, hit, budget.tokens)
             if not started and charge > self.max_num_tokens:   # a paused context grown past the budget
                 self.reuse.unlookup(req, hit)
-                self._drop(req, out, "paused request's prompt + generated tokens exceed max_num_tokens "
-                                     "and enable_chunked_prefill is False")
+                self.waiting.remove(req)
+                out.rejected.append(req)
+                self.reject(req, "paused request's prompt + generated tokens exceed max_num_tokens and "
+                                 "enable_chunked_prefill is False")
                 i += 1
                 continue
-            full = not started and len(self.running) >= self.max_batch_size
+            full = not started and len(self.running) >= self.max_num_sequences
             if n <= 0 or full or charge > budget.tokens or budget.slots <= 0:
                 self.reuse.unlookup(req, hit)
                 break  # a token-budget failure ends the fused walk (scheduler/design.md §4.1.1)
@@ -360,11 +372,6 @@ class TrtllmEngine(PagedEngine):
             end = self._pause_last_started(order, i, end, out)
             if end < 0:
                 break
-
-    def _drop(self, req: Request, out: SchedulerOutput, reason: str) -> None:
-        self.waiting.remove(req)
-        self.reject(req, reason)
-        out.rejected.append(req)
 
     def _pause_last_started(self, order: list[Request], i: int, end: int, out: SchedulerOutput) -> int:
         """Pause the most recently started request in order[i:end] (recompute); return the new end or -1."""
@@ -385,10 +392,7 @@ class TrtllmEngine(PagedEngine):
 
     def check_invariants(self) -> None:
         self.check_cohort(self.running)
-        self.kv.pool.check_invariants()
-        if self.kv.host is not None:
-            self.kv.host.check_invariants()
-        assert len(self.running) <= self.max_batch_size
+        super().check_invariants()   # the pools; started requests within max_num_sequences (batch_size_limit)
         assert self.reservations.horizon_blocks.keys() == {r.request_id for r in self.running} | self.loading.keys()
         if self.policy != "MAX_UTILIZATION":
             assert self._available_blocks() >= 0, "GUARANTEED_NO_EVICT reservation exceeds free blocks"

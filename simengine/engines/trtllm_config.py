@@ -99,6 +99,9 @@ def trtllm_speculation(p: TrtllmParams, dep: Deployment) -> Speculation | None:
     c = p.speculative_config
     if c is None:
         return None
+    if dep.pp > 1:   # py_executor.py: "Drafting is not supported for selected executor loop" (_executor_loop_pp)
+        raise InputError("TensorRT-LLM does not draft in its pipeline-parallel loop; use pp 1 or remove "
+                         "speculative_config", field="speculative_config")
     if c.decoding_type == "MTP":
         k = c.num_nextn_predict_layers
     elif c.max_draft_len is None:

@@ -268,10 +268,11 @@ class Replica:
 
 
 class PipelinedReplica(Replica):
-    """Pipeline parallelism with `stages` micro-batches in flight (vLLM V1's batch queue under PP): a new batch
-    enters the first stage every stage time (step time / stages) while each batch needs the whole step time to
-    come out, so throughput scales with the stages and one request's latency does not improve. The engine must
-    skip requests whose batch is still in flight (`EnginePolicy.supports_pipeline_microbatches`)."""
+    """Pipeline parallelism with `stages` micro-batches in flight (vLLM V1's batch queue, TensorRT-LLM's PP loop): a
+    new batch enters the first stage every stage time (the GPU work / stages, plus the host work each rank does per
+    micro-batch: CostModel.stage_seconds) while each batch needs the whole step time to come out, so throughput
+    scales with the stages until the host work per micro-batch binds, and one request's latency does not improve.
+    The engine must skip requests whose batch is still in flight (`EnginePolicy.supports_pipeline_microbatches`)."""
 
     def __init__(self, *args, stages: int, **kw):
         self.stages = stages
@@ -319,10 +320,11 @@ class PipelinedReplica(Replica):
                 yield self._changed
                 continue
             c = self.cost.step(out.shape)
+            stage = self.cost.stage_seconds(out.shape, c.seconds, self.stages)
             start = env.now
             with self.entry.request() as hold:
                 yield hold
-                yield env.timeout(c.seconds / self.stages)
-            yield env.timeout(c.seconds - c.seconds / self.stages)
+                yield env.timeout(stage)
+            yield env.timeout(c.seconds - stage)
             self._complete(out, c, start, env.now)
             self._notify()

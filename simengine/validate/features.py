@@ -38,13 +38,14 @@ class StepFeatures:
     overlap: bool = False
     grammar_mask_s: float = 0.0
     roofline_share: float = 0.0  # share of the steps' GPU time priced by the roofline (not measured kernels)
+    stages: int = 1              # pipeline micro-batches in flight: a step adds its first stage's time to the run
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
-def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
-    """Feature arrays of `shapes` as `cost` prices them."""
+def step_features(cost: CostModel, shapes: list[BatchShape], stages: int = 1) -> StepFeatures:
+    """Feature arrays of `shapes` as `cost` prices them (`stages`: as CostModel.stage_seconds does)."""
     k, w, t = cost.kernels, cost.work, cost.timing
     n = len(shapes)
     tokens = np.array([s.num_prefill_tokens + max(s.padded_decode, s.num_decode) for s in shapes], dtype=float)
@@ -67,18 +68,18 @@ def step_features(cost: CostModel, shapes: list[BatchShape]) -> StepFeatures:
         dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
         launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
-        grammar_mask_s=cost.grammar_mask_s, roofline_share=share)
+        grammar_mask_s=cost.grammar_mask_s, roofline_share=share, stages=stages)
 
 
 def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.ndarray:
     """Seconds of every step at `device` terms (a DeviceTerms or any object with its fields; default: as recorded)
     and `engine` terms (ENGINE_FIELDS overrides); floats or per-step arrays."""
-    gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor
+    gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor / sf.stages
     e = {**(sf.engine or {}), **(engine or {})}
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
                              exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))
     host = e["seq_cpu_s"] * sf.seqs + sf.structured * sf.grammar_mask_s
-    return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches,  # type: ignore[arg-type]
+    return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches / sf.stages,  # type: ignore[arg-type]
                         np.maximum)   # an EngineTiming's two members the pricing reads
 
 

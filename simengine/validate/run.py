@@ -67,18 +67,25 @@ class Prediction:
 
 
 class RecordingCost:
-    """Wraps a cost model for one replica and remembers every step's shape and seconds."""
+    """Wraps a cost model for one replica and remembers every step's shape and the seconds it adds to the run: its
+    step time, or under pipeline micro-batches its first stage's (sim/replica.py PipelinedReplica)."""
 
     def __init__(self, inner: CostModel):
         self.inner = inner
         self.shapes: list[BatchShape] = []
         self.seconds: list[float] = []
+        self.stages = 1
 
     def step(self, shape: BatchShape) -> StepCost:
         c = self.inner.step(shape)
         self.shapes.append(shape)
         self.seconds.append(c.seconds)
         return c
+
+    def stage_seconds(self, shape: BatchShape, seconds: float, stages: int) -> float:
+        self.stages = stages
+        self.seconds[-1] = stage = self.inner.stage_seconds(shape, seconds, stages)
+        return stage
 
 
 # ---- step experiments ---------------------------------------------------------------------------------
@@ -190,7 +197,7 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
             w = 1.0 + ratio if k == 0 else -ratio
         for c in costs:
             weights.append(np.full(len(c.seconds), w / len(costs)))
-            feats.append(step_features(c.inner, c.shapes))
+            feats.append(step_features(c.inner, c.shapes, c.stages))
             seconds.append(np.asarray(c.seconds))
     numer = per_req * (full if full is not None else n - n // 2)
     # the requests reach the engine after the frontend: once in the makespan (it cancels in a steady-state rate)
