@@ -356,3 +356,28 @@ def test_measured_kernels_price_the_same_from_a_cold_and_a_warm_cache(tmp_path, 
     cold, warm = priced(), priced()
     assert off == cold == warm and len(off) == len(shapes)
     assert {p.name.split("-")[0] for p in (tmp_path / "kernels").iterdir()} == {"gemm", "attention"}
+
+
+@pytest.mark.skipif(data_root() is None, reason="aiconfigurator-core tables not installed")
+def test_a_device_whose_tables_time_their_host_prices_all_reduce_from_its_link():
+    """`kernel_tables_comm: false` (l40s: the collecting host's all-reduce reached 1.45 GB/s at 8 GPUs): GEMMs and
+    attention still come from the tables, the all-reduce from the interconnect terms, as the roofline prices it, and
+    the step says so; with the tables' times it would cost several times more."""
+    dep = make_dep(hardware="l40s", model="llama-3.1-70b", weight_dtype="fp8", tp=8)
+    assert not dep.hardware.kernel_tables_comm
+    tokens = np.array([1.0, 512.0, 8192.0])
+
+    def features(hw):
+        w = StepWork(dep.model, hw, weight_format=dep.weight_format, kv_elem_bytes=1.0, tp=8)
+        terms = DeviceTerms.of(w, hw, custom_allreduce=False)
+        k = MeasuredKernels(w, terms, system="l40s", backend="trtllm", custom_allreduce=False)
+        return k, terms, k.token_features(tokens), RooflineKernels(w, terms).token_features(tokens)
+
+    kernels, terms, f, link = features(dep.hardware)
+    assert "allreduce" in kernels.fallbacks and "gemm" not in kernels.fallbacks
+    for name in ("ar_calls", "ar_link"):
+        np.testing.assert_allclose(f[name], link[name])
+    assert not np.any(f["meas_comm"])
+    by_link = link["ar_calls"][-1] * terms.allreduce_latency_s + link["ar_link"][-1] / terms.link_fraction
+    timed = features(dataclasses.replace(dep.hardware, kernel_tables_comm=True))[2]
+    assert timed["meas_comm"][-1] > 3 * by_link

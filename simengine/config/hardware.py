@@ -74,6 +74,7 @@ class HardwareYaml:
     price_source_date: str | None = None
     efficiency: EfficiencyYaml
     kernel_tables: str | None = None          # a measured-kernel system (aiconfigurator-core systems/data/<name>)
+    kernel_tables_comm: bool = True           # false: its all-reduce times describe the collecting host, not the device
     sm_count: int | None = None               # streaming multiprocessors (NVIDIA; kernels whose rate is per SM)
     boost_clock_mhz: float | None = None      # the clock the datasheet's tensor peaks are quoted at
     confidence: str = "C"
@@ -106,6 +107,7 @@ class Hardware:
     link_bandwidth_fraction: float = 1.0
     custom_allreduce_latency_s: float | None = None
     kernel_tables: str | None = None
+    kernel_tables_comm: bool = True   # the tables' all-reduce times price the interconnect (false: the link terms do)
     sm_count: int | None = None
     boost_clock_hz: float | None = None
     # the physical terms' values before `simengine calibrate` fitted them (calibration.prior_<term> in the YAML)
@@ -234,7 +236,7 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
         link_bandwidth_fraction=y.interconnect.bandwidth_fraction,
         custom_allreduce_latency_s=(None if y.interconnect.custom_allreduce_latency_us is None
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
-        kernel_tables=y.kernel_tables, path=src, sm_count=y.sm_count,
+        kernel_tables=y.kernel_tables, kernel_tables_comm=y.kernel_tables_comm, path=src, sm_count=y.sm_count,
         boost_clock_hz=None if y.boost_clock_mhz is None else y.boost_clock_mhz * 1e6,
         network_bandwidth_bytes_s=0.0 if y.network is None else y.network.bandwidth_gb_s_per_device * 1e9,
         network_latency_s=0.0 if y.network is None else y.network.latency_us * 1e-6,

@@ -514,6 +514,9 @@ class MeasuredKernels(RooflineKernels):
 
     def _allreduce_curve(self, custom: bool) -> tuple[np.ndarray, np.ndarray] | None:
         tp = self.work.tp
+        if not self.work.hw.kernel_tables_comm:
+            self.fallbacks["allreduce"] = "the tables' all-reduce times describe their host (kernel_tables_comm: false)"
+            return None
         tables = []
         if custom:
             path = table_file(self.system, "comm", self.backend, "custom_allreduce_perf.parquet")
