@@ -158,11 +158,14 @@ def version_params(row: Measurement, engine: str) -> tuple[dict, list[str]]:
 
 def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     """(engine params, note) the row's benchmark tool, engine version and quoted engine flags set; ({}, '')."""
-    tool = "trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source   # perf-overview uses it
+    # perf-overview's throughput tables come from trtllm-bench; its online serving table from the Triton backend
+    tool = ("trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source) and "triton" not in \
+        row.notes.lower()
+    params, why = version_params(row, engine)
     if engine == "trtllm" and tool and row.input_len and row.output_len:
         p = trtllm_bench_params(row)
-        return p, f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}"
-    params, why = version_params(row, engine)
+        why.append(f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}")
+        return {**params, **p}, "; ".join(why)
     flags, ignored = quoted_flags(row, engine)
     params.update(flags)
     notes = [*why, f"engine flags from the notes: {flags}" if flags else "",
