@@ -74,8 +74,7 @@ class TrtllmEngine(PagedEngine):
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
         self.kv = trtllm_kv_cache(p, dep)
-        num_blocks = self.kv.num_blocks
-        self.max_model_len = min(p.max_seq_len or dep.model.max_model_len, num_blocks * p.tokens_per_block)
+        self.max_model_len = min(p.max_seq_len or dep.model.max_model_len, self.kv.num_blocks * p.tokens_per_block)
         self.reservations = CompletionReservations(self.kv, self.max_model_len)  # started: running and loading
         self.running: list[Request] = []   # started (holding KV), arrival order; includes overlap tails
         self.waiting: list[Request] = []   # context-init (new or paused), arrival order
@@ -135,7 +134,8 @@ class TrtllmEngine(PagedEngine):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
-        self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
+        if self.in_flight:
+            self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         ending = self.tails   # empty without overlap; never cohort members (their last token is not in sight)
         tails = [r for r, _ in islice(out.scheduled, out.num_lazy, None) if r.request_id in ending] if ending else []
         live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending],
