@@ -53,6 +53,14 @@ def step_seconds(gpu, cuda_graph, host_extra, t: EngineTiming, launch_s, maximum
     return total + t.exposed_host_s(total, host_extra)
 
 
+def pipeline_stage(seconds, cpu, stages, overlap, maximum=max):
+    """One pipeline rank's seconds per micro-batch of a step of `seconds` with `cpu` seconds of host work
+    (sim/replica.py PipelinedReplica): the GPU work divided among the stages, the host work not (every rank
+    schedules, prepares and hands on every micro-batch), hidden behind the stage's share of the GPU only where the
+    engine's loop overlaps the two. Floats or arrays (`overlap` a bool or a bool array)."""
+    return overlap * maximum(seconds / stages, cpu) + (1 - overlap) * ((seconds - cpu) / stages + cpu)
+
+
 class Proposer:
     """What drafting a step's speculative tokens costs (engines/speculative.py): a draft network's forward passes
     (`draft`: the step-time model of a draft model or a one-layer draft head, without host terms of its own), one
@@ -119,35 +127,6 @@ class CostModel:
     # ---- one step ---------------------------------------------------------------------------------------
     def step(self, shape: BatchShape) -> StepCost:
         """Price one forward pass."""
-        gpu, compute, memory, comm, measured, host = self._gpu_host(shape)
-        seconds = step_seconds(gpu, shape.cuda_graph, host, self.timing, self.launch_s)
-        if shape.num_spec and self.proposer is not None:
-            seconds += self.proposer.seconds(shape)
-        if shape.lora_adapters:
-            seconds += self.lora_seconds(shape)
-        if shape.host_load_tokens:   # offloaded KV copied in over the host link
-            hw = self.work.hw
-            load = (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
-                    + hw.host_link_latency_s)
-            if shape.host_load_overlapped:   # layer by layer: layer i computes once its KV is in, so the step ends
-                seconds = max(seconds, load + seconds / self.model.num_layers)  # at the load plus one layer's work
-            else:                            # before the forward
-                seconds += load
-        return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
-
-    def stage_seconds(self, shape: BatchShape, seconds: float, stages: int) -> float:
-        """One pipeline rank's time per micro-batch for a step of `seconds` (sim/replica.py PipelinedReplica): its
-        share of the GPU work and of the extras (drafts, adapters, loads), plus the host work that every rank does
-        for every micro-batch (scheduling, inputs, outputs), which stages do not split; hidden behind the stage's
-        GPU work only where the engine's loop overlaps the two."""
-        gpu, _, _, _, _, host = self._gpu_host(shape)
-        t = self.timing
-        extras = seconds - step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
-        return step_seconds(gpu / stages, shape.cuda_graph, host, t, self.launch_s / stages) + extras / stages
-
-    def _gpu_host(self, shape: BatchShape) -> tuple[float, float, float, float, float, float]:
-        """(GPU seconds, of them compute-bound, memory-bound, communication and measured; per-sequence host
-        seconds) of one forward pass."""
         chunks = shape.prefill_chunks
         num_decode = shape.num_decode
         prefill = 0
@@ -169,7 +148,27 @@ class CostModel:
             f = t.gpu_factor(num_decode, not chunks and not shape.spec_tokens, shape.cuda_graph)
             gpu, compute, memory, comm, measured = gpu * f, compute * f, memory * f, comm * f, measured * f
         host = t.seq_cpu_s * (num_decode + len(chunks)) + shape.num_structured * self.grammar_mask_s
-        return gpu, compute, memory, comm, measured, host
+        seconds = step_seconds(gpu, shape.cuda_graph, host, t, self.launch_s)
+        if shape.num_spec and self.proposer is not None:
+            seconds += self.proposer.seconds(shape)
+        if shape.lora_adapters:
+            seconds += self.lora_seconds(shape)
+        if shape.host_load_tokens:   # offloaded KV copied in over the host link
+            hw = self.work.hw
+            load = (shape.host_load_tokens * self.work.kv_write_bytes_per_token / hw.host_link_bandwidth_bytes_s
+                    + hw.host_link_latency_s)
+            if shape.host_load_overlapped:   # layer by layer: layer i computes once its KV is in, so the step ends
+                seconds = max(seconds, load + seconds / self.model.num_layers)  # at the load plus one layer's work
+            else:                            # before the forward
+                seconds += load
+        return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
+
+    def stage_seconds(self, shape: BatchShape, seconds: float, stages: int) -> float:
+        """One pipeline rank's seconds per micro-batch for a step of `seconds` (`pipeline_stage`)."""
+        t = self.timing
+        cpu = (t.scheduler_cpu_s + t.output_cpu_s + t.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
+               + shape.num_structured * self.grammar_mask_s)
+        return pipeline_stage(seconds, cpu, stages, t.overlap)
 
     def lora_seconds(self, shape: BatchShape) -> float:
         """Multi-LoRA (engines/lora.py): adapters loaded before the forward (from host memory over the host link,

@@ -16,7 +16,7 @@ import numpy as np
 
 from simengine.core.batch import BatchShape
 from simengine.cost.roofline import FEATURES, DeviceTerms, price
-from simengine.cost.step import CostModel, step_seconds
+from simengine.cost.step import CostModel, pipeline_stage, step_seconds
 
 ENGINE_FIELDS = ("scheduler_cpu_s", "output_cpu_s", "seq_cpu_s", "graph_replay_s", "kernel_launch_s")
 
@@ -74,13 +74,17 @@ def step_features(cost: CostModel, shapes: list[BatchShape], stages: int = 1) ->
 def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.ndarray:
     """Seconds of every step at `device` terms (a DeviceTerms or any object with its fields; default: as recorded)
     and `engine` terms (ENGINE_FIELDS overrides); floats or per-step arrays."""
-    gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor / sf.stages
+    gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor
     e = {**(sf.engine or {}), **(engine or {})}
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
                              exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))
     host = e["seq_cpu_s"] * sf.seqs + sf.structured * sf.grammar_mask_s
-    return step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches / sf.stages,  # type: ignore[arg-type]
-                        np.maximum)   # an EngineTiming's two members the pricing reads
+    seconds = step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches,  # type: ignore[arg-type]
+                           np.maximum)   # an EngineTiming's two members the pricing reads
+    if np.all(sf.stages == 1):
+        return seconds
+    staged = pipeline_stage(seconds, e["scheduler_cpu_s"] + e["output_cpu_s"] + host, sf.stages, sf.overlap, np.maximum)
+    return np.where(sf.stages > 1, staged, seconds)
 
 
 def exposed(total, extra, e: dict, overlap):
