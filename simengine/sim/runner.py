@@ -81,8 +81,12 @@ class Runner:
         if scenario.exact:
             for eng in self.engines:
                 eng.exact_mode()
-        if any(eng.host_tier_stats() is not None for eng in self.engines):
-            self.factory.mark_private = False   # a host tier's LRU keys on when each block is stored, not only which
+        # private tokens are proven equal only where a block's publication depends on which blocks fill, not when: a
+        # host tier's LRU keys on when each block is stored; accepted drafts move a request's computed tokens past its
+        # last allocation, whose end (the tokens it had) is what a cache publishes, which a private request giving
+        # its blocks up later cannot tell
+        if any(eng.host_tier_stats() is not None or eng.speculation is not None for eng in self.engines):
+            self.factory.mark_private = False
         self.costs: dict[str, CostModel] = {}
         self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
         # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
