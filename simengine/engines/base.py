@@ -43,7 +43,7 @@ class EnginePolicy(ABC):
     # reaches the engine (no KV loads): on a replica alone the repeats run on through arrivals (sim/replica.py)
     repeats_outlast_arrivals: ClassVar[bool] = False
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
-    # pp > 1 keeps pp micro-batches in flight (sim/replica.py PipelinedReplica); the engine skips in-flight requests
+    # pp micro-batches in flight (sim/replica.py PipelinedReplica holds their requests in `in_flight`: not scheduled)
     supports_pipeline_microbatches: ClassVar[bool] = False
     # whose measured kernel tables price the engine's GPU work (cost/measured.py): its own backend, or the nearest
     # one whose kernels it shares; None for engines with kernels of their own no table measured (the roofline)
@@ -63,7 +63,7 @@ class EnginePolicy(ABC):
 
     def __init__(self, params, dep: Deployment):
         self.params = params
-        self.dep = dep
+        self.in_flight: set[int] = set()   # requests of micro-batches still in the pipeline (above)
         self.max_model_len = dep.model.max_model_len
         self.num_preemptions = 0
         self.held: dict[int, Request] = {}   # P/D prefill side: finished requests whose KV waits to be pulled

@@ -82,7 +82,6 @@ class TrtllmEngine(PagedEngine):
         self.reuse = ContextReuse(self.kv)   # beneficialToSkip and the blocks contexts produce this step
         self.gen_init: list[Request] = []     # P/D decode side: generation-only requests waiting for blocks
         self.onboarded = 0                    # tokens this step copies in from the host pool
-        self.in_flight: set[int] = set()      # pp > 1: requests of micro-batches still in the pipeline
         lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.policy != "MAX_UTILIZATION"
         self.cohort = DecodeCohort(self.kv, self.max_num_tokens) if lazy else None
 
@@ -134,8 +133,6 @@ class TrtllmEngine(PagedEngine):
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Base progress; with overlap, a request seen finished only after its extra (dropped) decode step."""
-        if self.in_flight:
-            self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         ending = self.tails   # empty without overlap; never cohort members (their last token is not in sight)
         tails = [r for r, _ in islice(out.scheduled, out.num_lazy, None) if r.request_id in ending] if ending else []
         live = SchedulerOutput(scheduled=[(r, n) for r, n in out.scheduled if r.request_id not in ending],
@@ -174,8 +171,6 @@ class TrtllmEngine(PagedEngine):
             out.idle_reason = "head request's KV reservation or prompt does not fit yet"
         out.shape = self.make_shape(out.scheduled, out.num_lazy)
         out.shape.host_load_tokens, self.onboarded = self.onboarded, 0
-        if self.dep.pp > 1:
-            self.in_flight.update(r.request_id for r, _ in out.scheduled)
         return out
 
     def _available_blocks(self) -> int:

@@ -72,7 +72,6 @@ class VllmEngine(PagedEngine):
         self.waiting: deque[Request] = deque()
         self.waiting_heap: list[tuple[int, float, int, Request]] = []
         self.priority = p.scheduling_policy == "priority"
-        self.in_flight: set[int] = set()  # requests of batches still in the pipeline (pp > 1) are not rescheduled
         # drafts and adapters: per-request steps
         lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.adapters is None
         self.cohort = DecodeCohort(self.kv, self.max_num_batched_tokens,
@@ -170,8 +169,6 @@ class VllmEngine(PagedEngine):
         if self.params.num_scheduler_steps > 1:   # a decode-only step starts a run of num_scheduler_steps
             self.multi_step_left = (self.multi_step_left - 1 if in_run else
                                     0 if out.shape.prefill_chunks else self.params.num_scheduler_steps - 1)
-        if self.dep.pp > 1:
-            self.in_flight.update(r.request_id for r, _ in out.scheduled)
         if self.finishing:
             out.released = len(self.finishing)
             for req in self.finishing:
@@ -186,8 +183,6 @@ class VllmEngine(PagedEngine):
             super().on_finished(finished, now)
 
     def update(self, out: SchedulerOutput, now: float):
-        if self.in_flight:
-            self.in_flight.difference_update(r.request_id for r, _ in out.scheduled)
         res = super().update(out, now)
         self.last_step_end_s = now
         self.last_out = out

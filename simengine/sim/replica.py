@@ -319,6 +319,8 @@ class PipelinedReplica(Replica):
             if out is None or out.is_empty:  # everything runnable is in flight (or nothing waits): wait
                 yield self._changed
                 continue
+            held = [r.request_id for r, _ in out.scheduled]
+            engine.in_flight.update(held)   # no other micro-batch schedules them until this one's update
             c = self.cost.step(out.shape)
             stage = self.cost.stage_seconds(out.shape, c.seconds, self.stages)
             start = env.now
@@ -326,5 +328,6 @@ class PipelinedReplica(Replica):
                 yield hold
                 yield env.timeout(stage)
             yield env.timeout(c.seconds - stage)
+            engine.in_flight.difference_update(held)
             self._complete(out, c, start, env.now)
             self._notify()
