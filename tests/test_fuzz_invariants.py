@@ -104,9 +104,18 @@ def scenarios(draw, engine: str | None = None):
                                 {"dist": "exponential", "mean": max(1, out_max // 3), "max": out_max}]))
     workload: dict = {"input_tokens": inp, "output_tokens": out,
                       "shared_prefix_tokens": draw(st.sampled_from([0, 0, 16, 300, 1500]))}
-    mode = draw(st.sampled_from(["poisson", "gamma", "constant", "offline", "closed_loop", "sessions"]))
+    mode = draw(st.sampled_from(["poisson", "gamma", "constant", "offline", "closed_loop", "sessions", "stages"]))
     n = draw(st.integers(1, 40))
-    if mode == "sessions":
+    if mode != "sessions" and draw(st.sampled_from([False, False, True])):   # inference-perf's shared_prefix pool
+        workload["shared_prefix_tokens"] = 0
+        workload["prompt_groups"] = {"groups": draw(st.integers(1, 4)), "prompts_per_group": draw(st.integers(1, 5)),
+                                     "prefix_tokens": draw(st.sampled_from([0, 16, 300])),
+                                     "multi_turn": mode != "closed_loop" and draw(st.booleans())}
+    if mode == "stages":   # inference-perf's load stages: each drains before the next
+        workload["arrival"] = {"process": "stages", "stages": [
+            {"rate": draw(st.sampled_from([1.0, 6.0, 40.0])), "duration_s": draw(st.sampled_from([0.5, 1.0, 3.0]))}
+            for _ in range(draw(st.integers(1, 3)))]}
+    elif mode == "sessions":
         workload["sessions"] = {"population": draw(st.integers(1, 6)),
                                 "turns": {"dist": "uniform", "low": 1, "high": draw(st.integers(1, 4))},
                                 "think_time_s": {"dist": "constant", "value": draw(st.sampled_from([0.0, 0.5, 2.0]))},
@@ -154,7 +163,8 @@ def scenarios(draw, engine: str | None = None):
         if method:
             caps["spec"] = spec_params(engine, method, draw(st.integers(1, 6)),
                                        [draw(st.sampled_from([0.0, 0.3, 0.8, 1.0]))])
-    if engine in ("vllm", "sglang") and "pools" not in data and draw(st.sampled_from([False, False, True])):
+    if engine in ("vllm", "sglang") and "pools" not in data and "prompt_groups" not in workload and \
+            draw(st.sampled_from([False, False, True])):
         workload["lora"] = {"adapters": draw(st.sampled_from([1, 3, 30])), "ranks": [8, 64],   # multi-LoRA
                             "fraction": draw(st.sampled_from([0.5, 1.0]))}
         slots = draw(st.integers(1, 4))

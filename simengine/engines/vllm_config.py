@@ -45,6 +45,9 @@ class VllmParams(Checked):
     async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU and
     # schedules step k+1 before step k's output is applied (v1/core/sched/async_scheduler.py)
     kv_cache_memory_bytes: Annotated[int, Range(1, 2**50)] | None = None  # overrides the gpu_memory_utilization rule
+    # config/cache.py CacheConfig: "Number of GPU blocks to use. This overrides the profiled num_gpu_blocks if
+    # specified" (the pool a run's log reported, when a measurement states it)
+    num_gpu_blocks_override: Annotated[int, Range(1, 50_000_000)] | None = None
     # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
     # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
     num_scheduler_steps: Annotated[int, Range(1, 1024)] = 1
@@ -100,7 +103,7 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
                     - activation_reserve_bytes(dep, max_num_batched_tokens, max_num_seqs) - NON_TORCH_BYTES)
         rule = f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory"
     tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="vllm", rule=rule)
-    num_blocks = tokens // p.block_size
+    num_blocks = p.num_gpu_blocks_override or tokens // p.block_size
     if num_blocks > 50_000_000:  # more than any device holds (a B200 has ~13M 16-token blocks of Llama-8B)
         raise InputError(f"a KV pool of {kv_bytes / 2**30:.0f} GiB is beyond any device; give "
                          "kv_cache_memory_bytes in bytes of one device's KV cache", field="kv_cache_memory_bytes")

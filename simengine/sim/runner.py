@@ -21,6 +21,7 @@ from simengine.routers.base import router_and_params
 from simengine.sim.build import Pool, build_engine, cost_model, plan_pools
 from simengine.sim.links import Link, kv_path, place
 from simengine.sim.replica import PipelinedReplica, Replica
+from simengine.workload.arrivals import arrival_times, stage_times
 from simengine.workload.generator import RequestFactory, SessionPlan
 
 # A closed-loop client whose request is refused at once waits this long before its next one (1 s, like a
@@ -95,6 +96,7 @@ class Runner:
         self.detailed_requests = scenario.output.detailed_requests  # ids below keep every token's time
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
+        self.user_locks: dict[int, simpy.Resource] = {}   # multi-turn prompt groups: one turn of a user at a time
         self.sources_open = 0
         self.all_done = self.env.event()
         front = [p for p in self.pools if p.role != "decode"]
@@ -451,6 +453,64 @@ class Runner:
             self.submit(req)
         self._close_source()
 
+    def _staged(self):
+        """Staged arrivals (ArrivalConfig stages, inference-perf's run_stage): each stage's requests at Poisson times
+        from its start, the prompt pool from its first prompt; the next stage once all of them have finished."""
+        env, horizon, frontend = self.env, self.scenario.horizon_s, self.frontend_s
+        for stage in self.scenario.workload.arrival.stages:
+            if env.now > horizon:
+                break
+            self.factory.pool_next = 0
+            sent = []
+            for t in stage_times(stage, self.factory.rng_arrivals, env.now).tolist():
+                if t > horizon:
+                    break
+                if self.factory.pool_multi_turn:
+                    yield env.timeout(t - env.now)
+                    sent.append(env.process(self._pool_turn(*self.factory.pool_turn_slot())))
+                    continue
+                req = self.factory.plain_request(t)
+                if t + frontend > env.now:
+                    yield env.timeout(t + frontend - env.now)
+                ev = self.waiters[req.request_id] = env.event()
+                self.submit(req)
+                sent.append(ev)
+            yield env.all_of(sent)
+        self._close_source()
+
+    def _pool_turns(self):
+        """Open-loop arrivals of multi-turn prompt groups: at each arrival time the next (user, question) slot
+        starts a turn; the source closes when every turn has finished (a turn may wait for its user)."""
+        env, horizon, wl = self.env, self.scenario.horizon_s, self.scenario.workload
+        limit = wl.num_requests if wl.num_requests is not None else float("inf")
+        t, made, turns = 0.0, 0, []
+        while made < limit:
+            times = arrival_times(wl.arrival, self.factory.rng_arrivals, int(min(4096, limit - made)), t).tolist()
+            for x in times:
+                if x > horizon:
+                    break
+                yield env.timeout(x - env.now)
+                turns.append(env.process(self._pool_turn(*self.factory.pool_turn_slot())))
+            if times[-1] > horizon:
+                break
+            made, t = made + len(times), times[-1]
+        yield env.all_of(turns)
+        self._close_source()
+
+    def _pool_turn(self, user: int, question: int):
+        """One multi-turn request: after the user's previous one has finished (inference-perf's session lock, taken
+        before the request is timed), the conversation so far and the question; the answer extends it."""
+        lock = self.user_locks.get(user)
+        if lock is None:
+            lock = self.user_locks[user] = simpy.Resource(self.env, capacity=1)
+        with lock.request() as turn:
+            yield turn
+            req = self.factory.pool_turn(self.env.now, user, question)
+            if self.frontend_s:
+                yield self.env.timeout(self.frontend_s)
+            done = yield from self._send_and_wait(req)
+            self.factory.pool_turn_done(user, done)
+
     def _closed_loop_user(self):
         env, horizon, cap = self.env, self.scenario.horizon_s, self.scenario.workload.num_requests
         while env.now <= horizon and (cap is None or self.factory.next_id < cap):
@@ -524,10 +584,16 @@ class Runner:
             self.sources_open = n
             for i in range(n):
                 self.env.process(self._session_slot(i, n))
+        elif wl.arrival.process == "stages":
+            self.sources_open = 1
+            self.env.process(self._staged())
         elif wl.arrival.process == "closed_loop":
             self.sources_open = wl.arrival.concurrency or 0   # required of closed_loop
             for _ in range(self.sources_open):
                 self.env.process(self._closed_loop_user())
+        elif self.factory.pool_multi_turn:
+            self.sources_open = 1
+            self.env.process(self._pool_turns())
         else:
             self.sources_open = 1
             self.env.process(self._open_loop())

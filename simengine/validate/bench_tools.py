@@ -73,7 +73,7 @@ FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torc
 # machine-readable notes items that are engine knobs (README 'Machine-readable notes'; vLLM names) -> field name
 NOTE_KNOBS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
               "gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",
-              "kv_block_size": "block_size"}
+              "kv_block_size": "block_size", "gpu_kv_blocks": "num_gpu_blocks_override"}
 
 
 def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
@@ -168,6 +168,9 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
         return {**params, **p}, "; ".join(why)
     flags, ignored = quoted_flags(row, engine)
     params.update(flags)
+    offload = row.note_items.get("cpu_kv_offload", "").split()[:1] in (["true"], ["yes"])
     notes = [*why, f"engine flags from the notes: {flags}" if flags else "",
-             f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else ""]
+             f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else "",
+             "cpu_kv_offload=true not applied: the notes state no offload size (e.g. --kv-offloading-size)"
+             if offload and "kv_offloading_size" not in params else ""]
     return params, "; ".join(n for n in notes if n)

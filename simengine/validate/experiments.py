@@ -58,6 +58,7 @@ class Experiment:
     batch: int = 1                  # step rows: sequences in the batch
     full_requests: int | None = None   # sim rows: requests the measurement ran (None: unknown)
     notes: list[str] = field(default_factory=list)
+    stage_requests: int | None = None  # staged rows: the measured (last simulated) stage's requests
 
     @property
     def entry(self) -> EngineEntry:
@@ -111,6 +112,67 @@ def row_lengths(row: Measurement) -> tuple[dict, dict, str] | str:
     return f"{' and '.join(missing)} not stated{where}"
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _numbers(row: Measurement, key: str) -> list[float]:
+    """The numbers of a notes item (`stage_rates=1/2/4` -> [1, 2, 4]); [] when absent."""
+    return [float(x) for x in _NUMBER.findall(row.note_items.get(key, ""))]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the notes' shared-prefix and load-stage items (validation README 'Machine-readable notes') add to the
+    row's workload: inference-perf's shared_prefix prompt pool and its load stages up to the measured one."""
+
+    workload: dict
+    stage_requests: int | None
+    note: str
+
+
+def row_traffic(row: Measurement) -> Traffic | str:
+    """The row's shared-prefix prompts and load stages, or why they cannot be run as stated."""
+    items = row.note_items
+    workload: dict = {}
+    notes = []
+    stage_requests = None
+    if "shared_prefix_len" in items or "prefix_groups" in items:
+        multi_turn = items.get("multi_turn", "no").split()[:1] in (["yes"], ["true"], ["1"])
+        prefix, question = row.note_int("shared_prefix_len"), row.note_int("question_len")
+        groups, per_group = row.note_int("prefix_groups"), row.note_int("prompts_per_group")
+        if prefix is None or not groups or not per_group:
+            return "shared-prefix traffic needs shared_prefix_len, prefix_groups and prompts_per_group in the notes"
+        if question is None:
+            question = (row.input_len or 0) - prefix
+        if question < 1:
+            return f"question_len not stated and input_len {row.input_len} leaves none past the {prefix}-token prefix"
+        workload["prompt_groups"] = {"groups": groups, "prompts_per_group": per_group, "prefix_tokens": prefix,
+                                     "multi_turn": multi_turn}
+        workload["input_tokens"] = {"dist": "constant", "value": question}
+        notes.append(f"{groups} x {per_group} prompts: {prefix}-token group prefix + {question}-token question"
+                     + (", one growing conversation a prompt" if multi_turn else ""))
+    if "stage_rates" in items or "stage" in items:
+        rates, durations = _numbers(row, "stage_rates"), _numbers(row, "stage_duration_s")
+        if not rates or not durations or len(durations) not in (1, len(rates)):
+            return "a staged row needs stage_rates and stage_duration_s (one, or one per stage) in the notes"
+        durations = durations * len(rates) if len(durations) == 1 else durations
+        at = [i for i, r in enumerate(rates) if row.arrival.kind == "poisson" and r == row.arrival.value]
+        stated = row.note_int("stage")
+        if len(at) == 1:
+            k = at[0]
+        elif stated is not None and stated < len(rates):   # inference-perf numbers stages from 0
+            k = stated
+        else:
+            return f"which of the stages {rates} the row measured is not clear (stage={stated}, arrival {row.arrival})"
+        stages = [{"rate": r, "duration_s": d} for r, d in zip(rates[:k + 1], durations[:k + 1], strict=True)]
+        stage_requests = int(rates[k] * durations[k])
+        if not stage_requests:
+            return f"stage {k} sends int({rates[k]:g} x {durations[k]:g} s) = 0 requests"
+        workload["arrival"] = {"process": "stages", "stages": stages}
+        notes.append(f"stage {k} of {len(rates)} ({stage_requests} requests) after the {k} before it")
+    return Traffic(workload, stage_requests, "; ".join(notes))
+
+
 def _arrival(row: Measurement) -> dict:
     a = row.arrival
     if a.kind == "poisson":
@@ -130,15 +192,21 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
     lengths = row_lengths(row)
     if isinstance(lengths, str):
         raise InputError(lengths)
+    traffic = row_traffic(row)
+    if isinstance(traffic, str):
+        raise InputError(traffic)
+    workload = {"arrival": _arrival(row), "num_requests": n, "input_tokens": lengths[0], "output_tokens": lengths[1],
+                **traffic.workload}
     data = {
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
                        "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas,
                        "cost_model": cost_model},
-        "workload": {"arrival": _arrival(row), "num_requests": n, "input_tokens": lengths[0],
-                     "output_tokens": lengths[1]},
+        "workload": workload,
         "engines": [{"engine": engine, "params": dict(params or {})}],
     }
+    if traffic.stage_requests:   # the stages set the count
+        workload.pop("num_requests")
     return from_dict(Scenario, data, source="row")
 
 
@@ -158,6 +226,9 @@ def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
         lengths = row_lengths(row)
         if isinstance(lengths, str):
             return Skip(row, lengths)
+        traffic = row_traffic(row)
+        if isinstance(traffic, str):
+            return Skip(row, traffic)
         params, note = engine_params(row, engine)
         if row.metric in STEP_METRICS:
             if a.kind not in ("single", "batch"):
@@ -174,12 +245,13 @@ def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
             n = None   # steady-state throughput of a capped run
         else:
             n = OPEN_LOOP_CAP
-        notes = [x for x in (note, lengths[2]) if x]
+        notes = [x for x in (note, lengths[2], traffic.note) if x]
         if n is None and a.kind == "offline":
             notes.append("num_requests not stated: steady-state rate")
+        if traffic.stage_requests:
+            n = traffic.stage_requests
         return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params, cost_model),
-                          params,
-                          full_requests=n, notes=notes)
+                          params, full_requests=n, notes=notes, stage_requests=traffic.stage_requests)
     except InputError as exc:
         return Skip(row, str(exc))
 

@@ -239,9 +239,27 @@ def run_sim(exp: Experiment) -> Prediction:
     if r.metric in RATE_METRICS and r.arrival.kind in ("offline", "batch"):
         return _offline_rate(exp, n, info)
     _, frame, recorder, _ = _simulate(exp, n)
+    if exp.stage_requests:   # the measured stage: the last requests made (every earlier stage finished first)
+        return Prediction(r, exp.engine, _stage_metric(r.metric, frame, exp.stage_requests), info=info)
     if r.metric in RATE_METRICS:
         return Prediction(r, exp.engine, _rate_numerator(r.metric, frame) / float(frame["finish_s"].max()), info=info)
     return Prediction(r, exp.engine, _latency_metric(r.metric, frame, recorder), info=info)
+
+
+def _stage_metric(metric: str, frame, requests: int) -> float:
+    """A metric over one load stage's requests: a rate over the span from its first arrival to its last finish; a
+    per-request latency over them; the mean ITL as their decode time over their inter-token gaps (what pooling their
+    gaps gives). ITL percentiles need each token's time, which a run keeps only for detailed requests."""
+    stage = frame.sort_values("request_id").tail(requests)
+    if metric in RATE_METRICS:
+        return _rate_numerator(metric, stage) / float(stage["finish_s"].max() - stage["arrival_s"].min())
+    if metric == "mean_itl_ms":
+        gaps = float((stage["num_output_tokens"] - 1).clip(lower=0).sum())
+        decode_s = float((stage["finish_s"] - stage["first_token_s"])[stage["num_output_tokens"] > 1].sum())
+        return 1e3 * decode_s / gaps if gaps else math.nan
+    if "_itl_" in metric:
+        raise InputError(f"{metric} of one load stage needs every token's time; only mean_itl_ms is read per stage")
+    return _latency_metric(metric, stage, None)
 
 
 def run_row(row: Measurement, kernels: str = "auto") -> Prediction | Skip:

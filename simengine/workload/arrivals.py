@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import numpy as np
@@ -18,6 +18,14 @@ Period = Annotated[float, Range(0, 1e9, above=True, unit="seconds")]
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoadStage(Checked):
+    """One stage of a staged run: `int(rate * duration_s)` requests at Poisson times from the stage's start."""
+
+    rate: Rate
+    duration_s: Period
+
+
+@dataclass(frozen=True, kw_only=True)
 class ArrivalConfig(Checked):
     """How requests arrive.
 
@@ -27,9 +35,12 @@ class ArrivalConfig(Checked):
     one finishes (vLLM --max-concurrency with --request-rate inf). ramp: a Poisson process whose rate moves
     linearly from `ramp_start_rate` to `rate` over `ramp_duration_s` (vLLM --ramp-up-strategy linear), then stays.
     diurnal: a Poisson process with rate(t) = rate * (1 + amplitude * sin(2 pi t / period_s)).
+    stages: inference-perf's load stages (kubernetes-sigs/inference-perf loadgen/load_generator.py run_stage): stage
+    j sends int(rate * duration_s) requests at Poisson times from its start, and the next stage starts when all of
+    them have finished; a prompt pool (workload.prompt_groups) restarts at its first prompt each stage.
     """
 
-    process: Literal["poisson", "gamma", "constant", "offline", "closed_loop", "ramp", "diurnal"] = "poisson"
+    process: Literal["poisson", "gamma", "constant", "offline", "closed_loop", "ramp", "diurnal", "stages"] = "poisson"
     rate: Rate | None = None           # requests per second (the end rate of a ramp, the mean of a diurnal curve)
     burstiness: Annotated[float, Range(0, 1000, above=True)] = 1.0
     concurrency: Annotated[int, Range(1, MAX_USERS, unit="users")] | None = None     # closed_loop users
@@ -37,9 +48,16 @@ class ArrivalConfig(Checked):
     ramp_duration_s: Period = 60.0
     amplitude: Annotated[float, Range(0, 1)] = 0.5             # diurnal: relative swing
     period_s: Period = 86400.0
+    stages: list[LoadStage] = field(default_factory=list)
 
     def __post_init__(self):
         super().__post_init__()
+        if (self.process == "stages") != bool(self.stages):
+            raise InputError("list the stages (rate and duration_s each) with process: stages, and only with it",
+                             field="workload.arrival.stages")
+        if self.stages and not any(int(s.rate * s.duration_s) for s in self.stages):
+            raise InputError("every stage sends int(rate x duration_s) = 0 requests; raise a rate or a duration",
+                             field="workload.arrival.stages")
         if self.process in ("poisson", "gamma", "constant", "ramp", "diurnal") and self.rate is None:
             raise InputError(f"{self.process} arrivals need rate > 0 (requests per second)",
                              field="workload.arrival.rate")
@@ -63,10 +81,18 @@ class ArrivalConfig(Checked):
         return rate
 
 
+def stage_times(stage: LoadStage, rng: np.random.Generator, start_s: float) -> np.ndarray:
+    """A stage's arrival times from `start_s`: its requests at Poisson times at its rate."""
+    return start_s + np.cumsum(rng.exponential(1.0 / stage.rate, int(stage.rate * stage.duration_s)))
+
+
 def arrival_times(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
-    """The next n arrival times after `start_s` (non-decreasing)."""
+    """The next n arrival times after `start_s` (non-decreasing). Not for process stages, whose stages the runner
+    starts one after another (`stage_times`)."""
     if cfg.process in ("offline", "closed_loop"):
         return np.full(n, start_s)
+    if cfg.process == "stages":
+        raise ValueError("staged arrivals come from the runner's stages (stage_times)")
     if cfg.process == "constant":
         return start_s + np.arange(1, n + 1) / cfg.rate_req_s
     if cfg.process == "poisson":

@@ -107,6 +107,30 @@ class DocumentPool(Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptGroups(Checked):
+    """A fixed pool of prompts in groups that share a system prompt, as inference-perf's shared_prefix data makes
+    them (kubernetes-sigs/inference-perf datagen/shared_prefix_datagen.py): `groups` system prompts of
+    `prefix_tokens` random tokens, each the head of `prompts_per_group` prompts whose question has input_tokens
+    tokens; each prompt's question and output lengths are drawn once. The pool is shuffled once, and request k
+    sends prompt k mod the pool's size (k counts from each stage's first request under staged arrivals, as
+    inference-perf numbers a stage's requests from 0), so once the pool is used up whole prompts come again.
+    `multi_turn`: inference-perf's multi-turn chat instead (below); its conversations go on across stages."""
+
+    groups: Annotated[int, Range(1, 1_000_000)]
+    prompts_per_group: Annotated[int, Range(1, 1_000_000)]
+    prefix_tokens: Annotated[int, Range(0, MAX_TOKENS)]
+    # enable_multi_turn_chat: one user a prompt, whose conversation starts as its group's system prompt; request k
+    # asks question k mod the pool's size (questions in pool order) of user k mod the pool's size (users shuffled),
+    # after that user's previous request has finished, with the whole conversation so far before the question
+    # (apis/user_session.py: the prompt is context + question, the context after it prompt + response)
+    multi_turn: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.groups * self.prompts_per_group
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraAdapters(Checked):
     """Multi-LoRA traffic: requests name one of `adapters` LoRA adapters of the served model, adapter k (from 0) with
     probability proportional to 1 / (k + 1)**zipf_s; adapter k has rank ranks[k % len(ranks)]. A share
@@ -133,6 +157,7 @@ class WorkloadConfig(Checked):
     client_max_tokens: Tokens | None = None  # max_tokens the client sends; None = exactly the output length
     sessions: SessionConfig | None = None
     documents: DocumentPool | None = None  # RAG: prompts = prefix + a shared document + input_tokens of question
+    prompt_groups: PromptGroups | None = None  # a fixed pool of prompts sharing group system prompts, cycled
     classes: list[RequestClass] = field(default_factory=list)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     trace: TraceConfig | None = None
@@ -145,3 +170,19 @@ class WorkloadConfig(Checked):
             raise InputError("class names must be unique", field="workload.classes")
         if self.trace is not None and self.sessions is not None:
             raise InputError("a trace replay and sessions cannot be combined; remove one", field="workload.trace")
+        if self.prompt_groups is not None:
+            other = [k for k in ("trace", "sessions", "documents", "classes", "lora") if getattr(self, k)]
+            if other or self.shared_prefix_tokens or self.structured_output.fraction:
+                other += ["shared_prefix_tokens"] * bool(self.shared_prefix_tokens)
+                other += ["structured_output"] * bool(self.structured_output.fraction)
+                raise InputError(f"prompt_groups makes every prompt itself; remove {', '.join(other)} (or "
+                                 "prompt_groups)", field="workload.prompt_groups")
+            if self.prompt_groups.multi_turn and self.arrival.process == "closed_loop":
+                raise InputError("multi_turn prompt groups run open-loop or staged arrivals, not closed_loop",
+                                 field="workload.prompt_groups.multi_turn")
+        if self.arrival.process == "stages" and self.num_requests is not None:
+            raise InputError("the stages set the request count (int(rate x duration_s) each); remove "
+                             "workload.num_requests", field="workload.num_requests")
+        if self.arrival.process == "stages" and (self.sessions is not None or self.trace is not None):
+            raise InputError("staged arrivals send plain requests; remove workload.sessions / workload.trace",
+                             field="workload.arrival.process")

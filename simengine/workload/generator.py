@@ -71,6 +71,15 @@ class RequestFactory:
             self.documents = [self.tokens(drng, int(d.tokens.sample_int(drng))) for _ in range(d.count)]
             w = 1.0 / np.arange(1, d.count + 1) ** d.zipf_s
             self._doc_p = w / w.sum()
+        self._pool: list[tuple[int, np.ndarray, int]] = []   # prompt_groups: (group, question, output length)
+        self._pool_prefixes: list[np.ndarray] = []
+        self.pool_next = 0   # the next request's index into the pool (the runner sets 0 at each stage's start)
+        self._unshuffled: list[tuple[int, np.ndarray, int]] = []
+        self._user_order = np.zeros(0, dtype=np.int64)
+        self._users: list[int] = []            # multi_turn: user of slot k, and each user's conversation so far
+        self._contexts: list[np.ndarray] = []
+        if cfg.prompt_groups is not None:
+            self._make_pool(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(97,))))
         self._lora_p = None
         if cfg.lora is not None:   # a stream of its own: the other draws are those of the same workload without it
             self.rng_lora = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(98,)))
@@ -109,6 +118,55 @@ class RequestFactory:
             self._token_pool = pool
         self._token_at = at + n
         return pool[at:at + n].copy()
+
+    def _make_pool(self, rng: np.random.Generator) -> None:
+        """prompt_groups' prompts: each group's system prompt, then its prompts' questions and output lengths drawn
+        once (shared_prefix_datagen.py draws each group's lengths, then its tokens), the whole pool shuffled."""
+        pg = self.cfg.prompt_groups
+        assert pg is not None
+        pool = []
+        for g in range(pg.groups):
+            self._pool_prefixes.append(self.tokens(rng, pg.prefix_tokens))
+            for _ in range(pg.prompts_per_group):
+                n_in, n_out, _ = self.lengths(rng, None)
+                pool.append((g, self.tokens(rng, n_in), n_out))
+        order = rng.permutation(len(pool))
+        self._pool = [pool[i] for i in order]
+        self._unshuffled, self._user_order = pool, order   # multi_turn: questions in order, users shuffled
+
+    def pool_request(self, now: float) -> Request:
+        """The next prompt of the prompt_groups pool (its index counts on from `pool_next`, modulo the pool)."""
+        group, question, n_out = self._pool[self.pool_next % len(self._pool)]
+        self.pool_next += 1
+        head = np.concatenate([self._pool_prefixes[group], question])
+        return self.make(now, head, len(head), n_out, self.cfg.client_max_tokens, self.rng_tokens, None,
+                         private=False)   # whole prompts come again: nothing is private
+
+    @property
+    def pool_multi_turn(self) -> bool:
+        return bool(self._pool) and bool(self.cfg.prompt_groups and self.cfg.prompt_groups.multi_turn)
+
+    def pool_turn_slot(self) -> tuple[int, int]:
+        """(user, question) of the next multi-turn request: both its index modulo the pool (users in the shuffled
+        order, questions in pool order, as shared_prefix_datagen.py shuffles only the user sessions)."""
+        k = self.pool_next % len(self._pool)
+        self.pool_next += 1
+        if not self._users:
+            self._users = [int(u) for u in self._user_order]
+            self._contexts = [self._pool_prefixes[self._unshuffled[u][0]] for u in range(len(self._pool))]
+        return self._users[k], k
+
+    def pool_turn(self, now: float, user: int, question: int) -> Request:
+        """A multi-turn request: the user's conversation so far, then the question (and its output length)."""
+        _, tokens, n_out = self._unshuffled[question]
+        head = np.concatenate([self._contexts[user], tokens])
+        return self.make(now, head, len(head), n_out, self.cfg.client_max_tokens, self.rng_tokens, None,
+                         private=False)
+
+    def pool_turn_done(self, user: int, req: Request) -> None:
+        """The user's conversation after `req`: its prompt and the output it got (unchanged if it failed)."""
+        if req.num_output_tokens:
+            self._contexts[user] = req.token_ids[:req.prompt_len + req.num_output_tokens]
 
     def pick_adapter(self, rng: np.random.Generator) -> tuple[int, int]:
         """(LoRA adapter, its rank) for a request or session; (-1, 0) for the base model."""
@@ -193,6 +251,8 @@ class RequestFactory:
 
     def plain_request(self, now: float) -> Request:
         """One request of the plain (non-session) workload arriving at `now`."""
+        if self._pool:
+            return self.pool_request(now)
         rng = self.rng_lengths
         if self._block_lengths:
             if not self._lengths:

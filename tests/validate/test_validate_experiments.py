@@ -154,3 +154,59 @@ def test_the_judged_files_cover_devices_and_parallelism_the_calibration_files_do
     rows = [r for p in JUDGED for r in read_measurements(p)]
     assert {"b200", "gb200", "h200_sxm", "l40s", "rtx_pro_6000_blackwell"} <= {r.hardware for r in rows}
     assert max(r.pp for r in rows) == 8 and max(r.tp for r in rows) == 8
+
+
+PREFIX_NOTES = "shared_prefix_len=1024; question_len=128; prefix_groups=8; prompts_per_group=4"
+STAGE_NOTES = "stage=1; num_stages=3; stage_duration_s=20; stage_rates=1/3/5"
+
+
+def prefix_row(**kw) -> Measurement:
+    return row(**{"engine": "vllm", "model": "llama-3.1-8b", "weight_dtype": "bf16", "hardware": "h100_sxm",
+                  "num_gpus": 1, "tp": 1, "input_len": 1152, "output_len": 64, "num_requests": 60,
+                  "arrival": Arrival(kind="poisson", value=3), "metric": "mean_ttft_ms", "value": 30.0,
+                  "notes": f"{PREFIX_NOTES}; {STAGE_NOTES}", **kw})
+
+
+def test_shared_prefix_and_stage_notes_run_inference_perfs_traffic():
+    """README 'Machine-readable notes': the shared_prefix items make inference-perf's prompt pool (the question is
+    input_len less the prefix where question_len is absent) and the stage items its load stages up to the measured
+    one, found by the row's rate."""
+    exp = plan_row(prefix_row())
+    wl = exp.scenario.workload
+    assert (wl.prompt_groups.groups, wl.prompt_groups.prompts_per_group, wl.prompt_groups.prefix_tokens) == (8, 4, 1024)
+    assert wl.input_tokens.value == 128 and wl.num_requests is None
+    assert wl.arrival.process == "stages" and [(s.rate, s.duration_s) for s in wl.arrival.stages] == [(1, 20), (3, 20)]
+    assert exp.stage_requests == 60
+    no_question = plan_row(prefix_row(notes=PREFIX_NOTES.replace("question_len=128; ", "")))
+    assert no_question.scenario.workload.input_tokens.value == 1152 - 1024
+    assert not wl.prompt_groups.multi_turn
+    assert plan_row(prefix_row(notes=f"{PREFIX_NOTES}; multi_turn=yes")).scenario.workload.prompt_groups.multi_turn
+
+
+@pytest.mark.parametrize("notes, reason", [
+    ("shared_prefix_len=1024; prefix_groups=8", "needs shared_prefix_len, prefix_groups and prompts_per_group"),
+    ("stage=7; stage_rates=1/2", "needs stage_rates and stage_duration_s"),
+    ("stage=7; stage_rates=1/2; stage_duration_s=10", "which of the stages"),
+])
+def test_traffic_notes_that_cannot_run_as_stated_are_skipped(notes, reason):
+    res = plan_row(prefix_row(notes=notes))
+    assert isinstance(res, Skip) and reason in res.reason
+
+
+def test_a_stage_row_measures_its_stage_and_the_prefix_cuts_its_ttft():
+    staged = run_row(prefix_row())
+    plain = run_row(prefix_row(notes=STAGE_NOTES))
+    assert staged.info["simulated_requests"] and "stage 1 of 3 (60 requests)" in staged.info["notes"]
+    # every prompt starts with one of 8 cached 1,024-token prefixes: most of each prefill is a hit
+    assert staged.predicted < 0.6 * plain.predicted
+    tput = run_row(prefix_row(metric="output_throughput_tok_s"))
+    assert tput.predicted == pytest.approx(3 * 64, rel=0.25)   # the stage's rate x its output length
+
+
+def test_gpu_kv_blocks_sets_vllms_pool_and_an_unsized_offload_is_reported():
+    exp = plan_row(prefix_row(notes=f"{PREFIX_NOTES}; gpu_kv_blocks=5000; cpu_kv_offload=true"))
+    assert exp.params["num_gpu_blocks_override"] == 5000
+    assert "cpu_kv_offload=true not applied" in "; ".join(exp.notes)
+    from simengine.sim.build import build_deployment, build_engine
+    eng = build_engine(exp.entry, build_deployment(exp.scenario))
+    assert eng.kv_capacity_tokens() == 5000 * 16
