@@ -29,7 +29,7 @@ from simengine.metrics.frames import (
     steps_frame,
 )
 from simengine.metrics.recorder import Recorder
-from simengine.metrics.summary import replica_sections, summarize
+from simengine.metrics.summary import replica_sections, stage_sections, summarize
 from simengine.sim.runner import Runner
 
 # Plots draw at most this many requests (every k-th by id beyond) and steps (time-binned means beyond): figures of
@@ -106,6 +106,9 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
         summary["disaggregation"] = res.disaggregation
     if res.stalls:
         summary["stalled"] = res.stalls
+    if runner.stages_run:
+        summary["stages"] = stage_sections(requests_frame(res.recorder), runner.stages_run,
+                                           scenario.workload.arrival.stages)
     offload = offload_section(res.engines, runner.replicas, summary["total_input_tokens"], res.end_s)
     if offload is not None:
         summary["kv_offload"] = offload

@@ -265,3 +265,22 @@ def replica_sections(rec: Recorder, prefix_tokens: list[tuple[int, int]], decisi
              "prefix_cache_hit_rate": round(hit / queried, 6) if queried else 0.0,
              "mean_kv_usage": round(float(kv_sum[i] / steps[i]), 6) if steps[i] else 0.0}
             for i, (queried, hit) in enumerate(prefix_tokens)]
+
+
+def stage_sections(frame, stages_run: list[tuple[float, float, int, int]], stages: list) -> list[dict]:
+    """Per load stage (arrival process stages): its rate and requests, and over its requests the latencies and
+    output throughput (tokens over the stage's span, from its start until its last request finished), as
+    inference-perf reports each stage. `frame`: requests_frame; `stages_run`: Runner.stages_run."""
+    out = []
+    for cfg, (start, end, first, stop) in zip(stages, stages_run, strict=False):
+        mine = frame[(frame["request_id"] >= first) & (frame["request_id"] < stop)]
+        done = mine[mine["status"] == "completed"]
+        section = {"rate": cfg.rate, "duration_s": cfg.duration_s, "start_s": start, "end_s": end,
+                   "requests": len(mine), "completed": len(done),
+                   "output_throughput_tok_s": float(done["num_output_tokens"].sum()) / (end - start)
+                   if end > start else None}
+        for q in ("ttft", "tpot", "e2el"):
+            section |= metric_stats(q, done[f"{q}_ms"].to_numpy(dtype=float))
+        out.append(section)
+    return out
+

@@ -97,6 +97,7 @@ class Runner:
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
         self.user_locks: dict[int, simpy.Resource] = {}   # multi-turn prompt groups: one turn of a user at a time
+        self.stages_run: list[tuple[float, float, int, int]] = []   # staged arrivals: (start, end, first id, end id)
         self.sources_open = 0
         self.all_done = self.env.event()
         front = [p for p in self.pools if p.role != "decode"]
@@ -461,7 +462,7 @@ class Runner:
             if env.now > horizon:
                 break
             self.factory.pool_next = 0
-            sent = []
+            sent, start, first = [], env.now, self.factory.next_id
             for t in stage_times(stage, self.factory.rng_arrivals, env.now).tolist():
                 if t > horizon:
                     break
@@ -476,6 +477,7 @@ class Runner:
                 self.submit(req)
                 sent.append(ev)
             yield env.all_of(sent)
+            self.stages_run.append((start, env.now, first, self.factory.next_id))
         self._close_source()
 
     def _pool_turns(self):

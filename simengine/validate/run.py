@@ -247,12 +247,15 @@ def run_sim(exp: Experiment) -> Prediction:
 
 
 def _stage_metric(metric: str, frame, requests: int) -> float:
-    """A metric over one load stage's requests: a rate over the span from its first arrival to its last finish; a
-    per-request latency over them; the mean ITL as their decode time over their inter-token gaps (what pooling their
-    gaps gives). ITL percentiles need each token's time, which a run keeps only for detailed requests."""
-    stage = frame.sort_values("request_id").tail(requests)
+    """A metric over one load stage's requests: a rate over the stage's span, from its start (the last finish of
+    the stages before, as summary.json's `stages`) to its last finish; a per-request latency over them; the mean
+    ITL as their decode time over their inter-token gaps (what pooling their gaps gives). ITL percentiles need each
+    token's time, which a run keeps only for detailed requests."""
+    ordered = frame.sort_values("request_id")
+    stage, before = ordered.tail(requests), ordered.head(len(ordered) - requests)
     if metric in RATE_METRICS:
-        return _rate_numerator(metric, stage) / float(stage["finish_s"].max() - stage["arrival_s"].min())
+        start = float(before["finish_s"].max()) if len(before) else 0.0
+        return _rate_numerator(metric, stage) / (float(stage["finish_s"].max()) - start)
     if metric == "mean_itl_ms":
         gaps = float((stage["num_output_tokens"] - 1).clip(lower=0).sum())
         decode_s = float((stage["finish_s"] - stage["first_token_s"])[stage["num_output_tokens"] > 1].sum())

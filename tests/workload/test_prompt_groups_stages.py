@@ -137,3 +137,12 @@ def test_multi_turn_is_refused_with_closed_loop():
         make_scenario(workload__prompt_groups={**POOL, "multi_turn": True},
                       workload__arrival={"process": "closed_loop", "concurrency": 2}, workload__num_requests=4)
     assert "workload.prompt_groups.multi_turn" in str(e.value)
+
+
+def test_summary_reports_each_stage():
+    res = staged([{"rate": 2.0, "duration_s": 5.0}, {"rate": 6.0, "duration_s": 5.0}])
+    first, second = res.summary["stages"]
+    assert (first["requests"], second["requests"]) == (10, 30) and first["completed"] == 10
+    assert first["end_s"] == second["start_s"] and second["end_s"] == pytest.approx(res.requests["finish_s"].max())
+    assert second["output_throughput_tok_s"] == pytest.approx(30 * 30 / (second["end_s"] - second["start_s"]))
+    assert first["mean_ttft_ms"] > 0 and second["p99_e2el_ms"] >= second["median_e2el_ms"]
