@@ -128,7 +128,8 @@ def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Rea
         shapes = prefill_shapes(eng, b, isl, depth, None)
         return shapes, Readout(False, 1.0, [np.ones(len(shapes))])
     if r.metric == "prefill_tok_s":
-        shapes = prefill_shapes(eng, b, isl, depth, LLAMA_BENCH_UBATCH)
+        # llama-bench's physical batch: the engine's -ub (a row quoting --ubatch-size sets it), else its default
+        shapes = prefill_shapes(eng, b, isl, depth, getattr(eng, "n_ubatch", LLAMA_BENCH_UBATCH))
         return shapes, Readout(True, float(b * isl), [np.ones(len(shapes))])
     start = isl + depth
     if r.metric == "decode_step_ms":   # the median of O iterations: the one halfway through the generation
