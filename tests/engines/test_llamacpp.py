@@ -219,7 +219,7 @@ def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     a100 = engine(make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="q4_0"))
     assert a100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 108 * 1.41e9)
     # 16-bit weights go to cuBLAS (the device's GEMM fraction); devices of unknown SMs keep it too
-    for hw, dtype in (("a100_80g_sxm", "fp16"), ("h100_sxm", "q4_0")):
+    for hw, dtype in (("a100_80g_sxm", "fp16"), ("b200", "q4_0")):
         assert engine(make_dep(hw, model="llama-2-7b", weight_dtype=dtype)).engine_gemm_flops_s() is None
     # pp512: A100 has 4.4x the RTX 3090's fp16 tensor peak but about the same SMs x clock (1.10x), and llama.cpp's
     # published prefill speeds of the two are within 2% (docs/validation.md)
@@ -228,6 +228,9 @@ def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
         eng = engine(make_dep(hw, model="llama-2-7b", weight_dtype="q4_0"))
         gemm_s[hw] = cost_model(eng).step(BatchShape(prefill_chunks=[(512, 0)], num_logits=1)).compute_s
     assert 1.0 < gemm_s["rtx_3090"] / gemm_s["a100_80g_sxm"] < 1.25
+    # Hopper: its tensor clock (1.83 GHz on the SXM5), not the FP32 clock, with its 132 SMs
+    h100 = engine(make_dep("h100_sxm", model="llama-2-7b", weight_dtype="q4_0"))
+    assert h100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 132 * 1.83e9)
 
 
 def _scenario(**deployment) -> Scenario:
