@@ -55,6 +55,9 @@ class ArrivalConfig(Checked):
         if (self.process == "stages") != bool(self.stages):
             raise InputError("list the stages (rate and duration_s each) with process: stages, and only with it",
                              field="workload.arrival.stages")
+        if self.stages and self.rate is not None:
+            raise InputError("process stages takes each stage's rate; remove workload.arrival.rate",
+                             field="workload.arrival.rate")
         if self.stages and not any(int(s.rate * s.duration_s) for s in self.stages):
             raise InputError("every stage sends int(rate x duration_s) = 0 requests; raise a rate or a duration",
                              field="workload.arrival.stages")

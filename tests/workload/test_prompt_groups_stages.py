@@ -85,6 +85,7 @@ def test_a_later_stage_hits_the_prompts_an_earlier_one_sent():
     ({"arrival": {"process": "poisson", "rate": 1, "stages": [{"rate": 1, "duration_s": 5}]}},
      "workload.arrival.stages"),
     ({"arrival": {"process": "stages", "stages": [{"rate": 0.1, "duration_s": 5}]}}, "workload.arrival.stages"),
+    ({"arrival": {"process": "stages", "rate": 3, "stages": [{"rate": 1, "duration_s": 5}]}}, "workload.arrival.rate"),
     ({"arrival": {"process": "stages", "stages": [{"rate": -1, "duration_s": 5}]}}, "rate"),
     ({"arrival": {"process": "stages", "stages": [{"rate": 1, "duration_s": 5}]}, "num_requests": 10},
      "workload.num_requests"),
