@@ -205,8 +205,10 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
         "workload": workload,
         "engines": [{"engine": engine, "params": dict(params or {})}],
     }
-    if traffic.stage_requests:   # the stages set the count
+    if traffic.stage_requests:   # the stages set the count; an ITL statistic of a stage needs each token's time
         workload.pop("num_requests")
+        if "_itl_" in row.metric:
+            data["output"] = {"detailed_requests": 10_000_000}
     return from_dict(Scenario, data, source="row")
 
 

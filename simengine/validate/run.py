@@ -241,28 +241,29 @@ def run_sim(exp: Experiment) -> Prediction:
         return _offline_rate(exp, n, info)
     _, frame, recorder, _ = _simulate(exp, n)
     if exp.stage_requests:   # the measured stage: the last requests made (every earlier stage finished first)
-        return Prediction(r, exp.engine, _stage_metric(r.metric, frame, exp.stage_requests), info=info)
+        return Prediction(r, exp.engine, _stage_metric(r.metric, frame, recorder, exp.stage_requests), info=info)
     if r.metric in RATE_METRICS:
         return Prediction(r, exp.engine, _rate_numerator(r.metric, frame) / float(frame["finish_s"].max()), info=info)
     return Prediction(r, exp.engine, _latency_metric(r.metric, frame, recorder), info=info)
 
 
-def _stage_metric(metric: str, frame, requests: int) -> float:
+def _stage_metric(metric: str, frame, recorder, requests: int) -> float:
     """A metric over one load stage's requests: a rate over the stage's span, from its start (the last finish of
-    the stages before, as summary.json's `stages`) to its last finish; a per-request latency over them; the mean
-    ITL as their decode time over their inter-token gaps (what pooling their gaps gives). ITL percentiles need each
-    token's time, which a run keeps only for detailed requests."""
+    the stages before, as summary.json's `stages`) to its last finish; a per-request latency over them; ITL over
+    the gaps between their tokens (scenario_for keeps every request's token times for such a row)."""
     ordered = frame.sort_values("request_id")
     stage, before = ordered.tail(requests), ordered.head(len(ordered) - requests)
     if metric in RATE_METRICS:
         start = float(before["finish_s"].max()) if len(before) else 0.0
         return _rate_numerator(metric, stage) / (float(stage["finish_s"].max()) - start)
-    if metric == "mean_itl_ms":
-        gaps = float((stage["num_output_tokens"] - 1).clip(lower=0).sum())
-        decode_s = float((stage["finish_s"] - stage["first_token_s"])[stage["num_output_tokens"] > 1].sum())
-        return 1e3 * decode_s / gaps if gaps else math.nan
     if "_itl_" in metric:
-        raise InputError(f"{metric} of one load stage needs every token's time; only mean_itl_ms is read per stage")
+        times = recorder.token_times
+        gaps = [np.diff(np.asarray(times[i])) for i in stage["request_id"].tolist() if i in times]
+        if not gaps or not sum(len(g) for g in gaps):
+            return math.nan
+        from simengine.metrics.summary import metric_stats
+        value = metric_stats("itl", 1e3 * np.concatenate(gaps))[f"{metric.split('_')[0]}_itl_ms"]
+        return math.nan if value is None else float(value)
     return _latency_metric(metric, stage, None)
 
 

@@ -211,3 +211,16 @@ def test_gpu_kv_blocks_sets_vllms_pool_and_an_unsized_offload_is_reported():
     from simengine.sim.build import build_deployment, build_engine
     eng = build_engine(exp.entry, build_deployment(exp.scenario))
     assert eng.kv_capacity_tokens() == 5000 * 16
+
+
+def test_a_stage_row_reads_itl_statistics_from_its_requests_token_times():
+    """ITL of a stage pools the gaps between its requests' tokens (every request's token times are kept for such a
+    row); the mean of those gaps is the stage's decode time over its gaps."""
+    mean, median, p99 = (run_row(prefix_row(metric=m)).predicted for m in ("mean_itl_ms", "median_itl_ms",
+                                                                               "p99_itl_ms"))
+    assert 0 < median <= p99 and mean > 0
+    exp = plan_row(prefix_row(metric="p99_itl_ms"))
+    assert exp.scenario.output.detailed_requests >= 60
+    # the same stage's TPOT (per request: decode time over its gaps) averages what the pooled mean ITL says
+    tpot = run_row(prefix_row(metric="mean_tpot_ms")).predicted
+    assert mean == pytest.approx(tpot, rel=0.05)
