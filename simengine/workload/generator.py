@@ -71,13 +71,14 @@ class RequestFactory:
             self.documents = [self.tokens(drng, int(d.tokens.sample_int(drng))) for _ in range(d.count)]
             w = 1.0 / np.arange(1, d.count + 1) ** d.zipf_s
             self._doc_p = w / w.sum()
-        self._pool: list[tuple[int, np.ndarray, int]] = []   # prompt_groups: (group, question, output length)
+        # prompt_groups: the prompts (group, question, output length) in pool order and shuffled, each group's
+        # system prompt; multi_turn: the user of slot k (shuffled) and each user's conversation so far
+        self._questions: list[tuple[int, np.ndarray, int]] = []
+        self._pool: list[tuple[int, np.ndarray, int]] = []
         self._pool_prefixes: list[np.ndarray] = []
-        self.pool_next = 0   # the next request's index into the pool (the runner sets 0 at each stage's start)
-        self._unshuffled: list[tuple[int, np.ndarray, int]] = []
-        self._user_order = np.zeros(0, dtype=np.int64)
-        self._users: list[int] = []            # multi_turn: user of slot k, and each user's conversation so far
+        self._users: list[int] = []
         self._contexts: list[np.ndarray] = []
+        self.pool_next = 0   # the next request's index into the pool (the runner sets 0 at each stage's start)
         if cfg.prompt_groups is not None:
             self._make_pool(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(97,))))
         self._lora_p = None
@@ -130,9 +131,10 @@ class RequestFactory:
             for _ in range(pg.prompts_per_group):
                 n_in, n_out, _ = self.lengths(rng, None)
                 pool.append((g, self.tokens(rng, n_in), n_out))
-        order = rng.permutation(len(pool))
-        self._pool = [pool[i] for i in order]
-        self._unshuffled, self._user_order = pool, order   # multi_turn: questions in order, users shuffled
+        order = rng.permutation(len(pool)).tolist()
+        self._questions, self._pool = pool, [pool[i] for i in order]
+        self._users = order   # multi_turn: questions in pool order, users shuffled (user u starts as group u's prompt)
+        self._contexts = [self._pool_prefixes[g] for g, _, _ in pool]
 
     def pool_request(self, now: float) -> Request:
         """The next prompt of the prompt_groups pool (its index counts on from `pool_next`, modulo the pool)."""
@@ -151,14 +153,11 @@ class RequestFactory:
         order, questions in pool order, as shared_prefix_datagen.py shuffles only the user sessions)."""
         k = self.pool_next % len(self._pool)
         self.pool_next += 1
-        if not self._users:
-            self._users = [int(u) for u in self._user_order]
-            self._contexts = [self._pool_prefixes[self._unshuffled[u][0]] for u in range(len(self._pool))]
         return self._users[k], k
 
     def pool_turn(self, now: float, user: int, question: int) -> Request:
         """A multi-turn request: the user's conversation so far, then the question (and its output length)."""
-        _, tokens, n_out = self._unshuffled[question]
+        _, tokens, n_out = self._questions[question]
         head = np.concatenate([self._contexts[user], tokens])
         return self.make(now, head, len(head), n_out, self.cfg.client_max_tokens, self.rng_tokens, None,
                          private=False)
