@@ -29,6 +29,7 @@ from simengine.config.hardware import Hardware
 from simengine.config.model import ModelSpec
 
 ACT_BYTES = 2.0            # activations are 16-bit in every engine modelled
+MMVQ_MAX_BATCH = 8   # ggml-cuda: up to this many tokens a quantized GEMM runs as matrix-vector products (MMVQ)
 GEMM_KERNELS_PER_LAYER = 4     # QKV, O, gate/up, down (MoE layers: the grouped expert GEMMs take the MLP's two)
 ELEMENTWISE_KERNELS_PER_LAYER = 4  # two norms (+ residual adds), the activation, RoPE with the KV write
 
@@ -62,11 +63,15 @@ class StepWork:
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
-                 engine_gemm_flops_s: float | None = None):
+                 engine_gemm_flops_s: float | None = None, expert_tile_columns: int | None = None):
         m = self.model = model
         # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
         # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
         self.engine_gemm_flops_s = engine_gemm_flops_s
+        # the widest token tile of the engine's grouped expert GEMM, each expert padding its tokens to whole tiles
+        # (EnginePolicy.expert_tile_columns: llama.cpp's MMQ); None or a model without experts: no padding
+        self.expert_tile_columns = expert_tile_columns if (m.is_moe and tp == 1 and not expert_parallel) else None
+        self._expert_padding: dict[int, float] = {}
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
         self.attention_dp = attention_dp
         # devices a token's attention and dense layers are split over; the group's tokens per rank's token at the
@@ -126,11 +131,51 @@ class StepWork:
         return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** group)
 
     def linear(self, tokens):
-        """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once, FLOPs per token."""
+        """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once, FLOPs per token (and the
+        padding of an engine whose expert GEMM computes whole tiles: `padded_expert_tokens`)."""
         weight_bytes = self.dense_weight_bytes + 0.0 * tokens
+        flops = tokens * self.linear_flops_per_token
         if self.model.num_experts:
             weight_bytes = weight_bytes + self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
-        return tokens * self.linear_flops_per_token, weight_bytes
+            if self.expert_tile_columns:
+                m = self.model
+                padding = (np.fromiter(map(self.padded_expert_tokens, np.ravel(tokens).tolist()), float)
+                           .reshape(np.shape(tokens)) if np.ndim(tokens) else self.padded_expert_tokens(tokens))
+                flops = flops + m.num_moe_layers * 2.0 * m.expert_params * padding
+        return flops, weight_bytes
+
+    def padded_expert_tokens(self, tokens: float) -> float:
+        """Token columns an expert GEMM computes beyond its tokens in a step of `tokens` tokens, over one MoE layer's
+        experts (expected, uniform routing): llama.cpp's MMQ takes a tile width mmq_x from the step's token count
+        (ggml-cuda/mmq.cuh mul_mat_q_case: the multiple of 8 up to the widest with the fewest tiles over all tokens,
+        16 from 48 on) and each expert computes its own tokens in whole tiles of it (the MoE path of
+        ggml-org/llama.cpp PR #13199); up to 8 tokens its matrix-vector kernel (MMVQ) pads nothing."""
+        tokens = int(tokens)
+        cached = self._expert_padding.get(tokens)
+        if cached is not None:
+            return cached
+        m, widest = self.model, self.expert_tile_columns or 0
+        pad = 0.0
+        if tokens > MMVQ_MAX_BATCH and widest:
+            best, tile = tokens + 1, 8
+            for width in range(8, widest + 1, 8):
+                if width >= 48 and width % 16:
+                    continue
+                tiles = -(-tokens // width)
+                if tiles < best:
+                    best, tile = tiles, width
+                if best == 1:
+                    break
+            # an expert's tokens X ~ Binomial(tokens x k, 1/E); E[tiles] = sum over j of P(X > j x tile)
+            n, p = tokens * m.experts_per_token, 1.0 / m.num_experts
+            x = np.arange(n + 1)
+            log_choose = np.concatenate(([0.0], np.cumsum(np.log(n - x[1:] + 1) - np.log(x[1:]))))
+            log_pmf = log_choose + x * np.log(p) + (n - x) * np.log1p(-p)
+            survival = 1.0 - np.cumsum(np.exp(log_pmf))    # P(X > x)
+            tiles_expected = float(np.clip(survival[0:n + 1:tile], 0.0, 1.0).sum())
+            pad = m.num_experts * tile * tiles_expected - n
+        self._expert_padding[tokens] = pad
+        return pad
 
     def elementwise_bytes(self, tokens):
         return tokens * (self.elementwise_bytes_per_token + self.kv_write_bytes_per_token)

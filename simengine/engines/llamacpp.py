@@ -46,6 +46,7 @@ MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
 # SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
 # predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
 MMQ_FLOPS_PER_SM_CYCLE = 448.0
+MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
 # ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
 # converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's
 # gemm_fraction describes. On M2 Ultra (76-core GPU, 27.2 TFLOPS FP16) LLaMA-7B F16 pp512 runs at 1265.30 tok/s
@@ -121,6 +122,11 @@ class LlamaCppEngine(EnginePolicy):
         if hw.vendor != "nvidia" or self.dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
             return None
         return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
+
+    def expert_tile_columns(self) -> int | None:
+        """MMQ's widest token tile (mmq_x_max 128 with tensor-core MMA, ggml-cuda/mmq.cuh) where MMQ multiplies the
+        experts: each expert computes its tokens in whole tiles (cost/work.py padded_expert_tokens)."""
+        return MMQ_MAX_TILE_COLUMNS if self.engine_gemm_flops_s() and self.dep.hardware.vendor == "nvidia" else None
 
     def make_timing(self) -> EngineTiming:
         hw = self.dep.hardware

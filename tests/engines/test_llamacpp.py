@@ -233,6 +233,32 @@ def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     assert h100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 132 * 1.83e9)
 
 
+def test_mmq_pads_each_experts_tokens_to_whole_tiles():
+    """MoE on MMQ: the tile width comes from the step's tokens (128 at 2,048) and each expert computes its tokens in
+    whole tiles, so gpt-oss-120b (128 experts, top 4: ~64 tokens each) computes about twice its expert tokens and
+    gpt-oss-20b (32 experts: 256 +- 16 each) about 2.5 tiles of 128 an expert; up to 8 tokens (MMVQ) nothing."""
+    works = {}
+    for model in ("gpt-oss-120b", "gpt-oss-20b"):
+        eng = engine(make_dep("dgx_spark_gb10", model=model, weight_dtype="mxfp4"))
+        assert eng.expert_tile_columns() == 128
+        works[model] = cost_model(eng).work
+    big, small = works["gpt-oss-120b"], works["gpt-oss-20b"]
+    assert big.padded_expert_tokens(2048) == pytest.approx(128 * 128 - 2048 * 4, rel=0.01)
+    assert small.padded_expert_tokens(2048) == pytest.approx(32 * 128 * 2.5 - 2048 * 4, rel=0.05)
+    assert small.padded_expert_tokens(8) == 0.0
+    # 100 tokens: one tile of 112 (from 48 on widths come in steps of 16), for each expert touched
+    assert small.padded_expert_tokens(100) == pytest.approx(32 * 112 * (1 - (1 - 1 / 32) ** 400) - 400, rel=1e-6)
+    # the vectorised view prices what the scalar one does
+    tokens = np.array([1.0, 100.0, 2048.0])
+    flops = small.linear(tokens)[0]
+    assert flops == pytest.approx([small.linear(t)[0] for t in tokens])
+    # dense models, other engines and devices without MMQ pad nothing
+    assert engine(make_dep("dgx_spark_gb10", model="llama-2-7b", weight_dtype="q4_0")).expert_tile_columns() == 128
+    assert cost_model(engine(make_dep("dgx_spark_gb10", model="llama-2-7b",
+                                      weight_dtype="q4_0"))).work.expert_tile_columns is None
+    assert engine(make_dep("apple_m2_ultra", model="qwen3-30b-a3b", weight_dtype="q4_0")).expert_tile_columns() is None
+
+
 def _scenario(**deployment) -> Scenario:
     return from_dict(Scenario, {
         "name": "llamacpp-edge", "seed": 3, "horizon_s": 60.0, "drain_s": 600.0,
