@@ -154,9 +154,9 @@ class StepWork:
         cached = self._expert_padding.get(tokens)
         if cached is not None:
             return cached
-        m, widest = self.model, self.expert_tile_columns or 0
+        m, widest = self.model, self.expert_tile_columns
         pad = 0.0
-        if tokens > MMVQ_MAX_BATCH and widest:
+        if widest and tokens > MMVQ_MAX_BATCH:
             best, tile = tokens + 1, 8
             for width in range(8, widest + 1, 8):
                 if width >= 48 and width % 16:

@@ -283,4 +283,3 @@ def stage_sections(frame, stages_run: list[tuple[float, float, int, int]], stage
             section |= metric_stats(q, done[f"{q}_ms"].to_numpy(dtype=float))
         out.append(section)
     return out
-

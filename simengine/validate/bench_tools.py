@@ -168,9 +168,8 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
         return {**params, **p}, "; ".join(why)
     flags, ignored = quoted_flags(row, engine)
     params.update(flags)
-    offload = row.note_items.get("cpu_kv_offload", "").split()[:1] in (["true"], ["yes"])
     notes = [*why, f"engine flags from the notes: {flags}" if flags else "",
              f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else "",
              "cpu_kv_offload=true not applied: the notes state no offload size (e.g. --kv-offloading-size)"
-             if offload and "kv_offloading_size" not in params else ""]
+             if row.note_flag("cpu_kv_offload") and "kv_offloading_size" not in params else ""]
     return params, "; ".join(n for n in notes if n)

@@ -137,7 +137,7 @@ def row_traffic(row: Measurement) -> Traffic | str:
     notes = []
     stage_requests = None
     if "shared_prefix_len" in items or "prefix_groups" in items:
-        multi_turn = items.get("multi_turn", "no").split()[:1] in (["yes"], ["true"], ["1"])
+        multi_turn = row.note_flag("multi_turn")
         prefix, question = row.note_int("shared_prefix_len"), row.note_int("question_len")
         groups, per_group = row.note_int("prefix_groups"), row.note_int("prompts_per_group")
         if prefix is None or not groups or not per_group:

@@ -83,6 +83,10 @@ class Measurement:
                 out[m.group(1)] = m.group(2)
         return out
 
+    def note_flag(self, key: str) -> bool:
+        """A yes/no `key=...` item of the notes: true for `true`, `yes` or `1` (False when absent)."""
+        return self.note_items.get(key, "").split()[:1] in (["true"], ["yes"], ["1"])
+
     def note_int(self, key: str) -> int | None:
         """An integer `key=N` item of the notes, or None when absent or not an integer."""
         m = re.match(r"\d+", self.note_items.get(key, ""))

@@ -125,10 +125,6 @@ class PromptGroups(Checked):
     # (apis/user_session.py: the prompt is context + question, the context after it prompt + response)
     multi_turn: bool = False
 
-    @property
-    def size(self) -> int:
-        return self.groups * self.prompts_per_group
-
 
 @dataclass(frozen=True, kw_only=True)
 class LoraAdapters(Checked):
@@ -171,10 +167,11 @@ class WorkloadConfig(Checked):
         if self.trace is not None and self.sessions is not None:
             raise InputError("a trace replay and sessions cannot be combined; remove one", field="workload.trace")
         if self.prompt_groups is not None:
-            other = [k for k in ("trace", "sessions", "documents", "classes", "lora") if getattr(self, k)]
-            if other or self.shared_prefix_tokens or self.structured_output.fraction:
-                other += ["shared_prefix_tokens"] * bool(self.shared_prefix_tokens)
-                other += ["structured_output"] * bool(self.structured_output.fraction)
+            other = [k for k, v in (("trace", self.trace), ("sessions", self.sessions), ("documents", self.documents),
+                                    ("classes", self.classes), ("lora", self.lora),
+                                    ("shared_prefix_tokens", self.shared_prefix_tokens),
+                                    ("structured_output", self.structured_output.fraction)) if v]
+            if other:
                 raise InputError(f"prompt_groups makes every prompt itself; remove {', '.join(other)} (or "
                                  "prompt_groups)", field="workload.prompt_groups")
             if self.prompt_groups.multi_turn and self.arrival.process == "closed_loop":
