@@ -45,10 +45,12 @@ class DeviceTerms:
     @staticmethod
     def of(work: StepWork, hw: Hardware, *, custom_allreduce: bool) -> DeviceTerms:
         return DeviceTerms(
-            # an engine's own GEMM kernels price at their achieved rate (StepWork.engine_gemm_flops_s), fraction 1
+            # an engine's own GEMM and attention kernels price at their achieved rates (StepWork.engine_gemm_flops_s,
+            # engine_attention_flops_s), fraction 1
             g_linear=1.0 if work.engine_gemm_flops_s else hw.gemm_fraction(work.compute_dtype),
             g_lm_head=hw.gemm_fraction(work.lm_head_dtype),
-            g_attn=hw.gemm_fraction(work.attn_dtype), memory_fraction=hw.memory_bandwidth_fraction,
+            g_attn=1.0 if work.engine_attention_flops_s else hw.gemm_fraction(work.attn_dtype),
+            memory_fraction=hw.memory_bandwidth_fraction,
             kernel_floor_s=hw.kernel_floor_s, allreduce_latency_s=hw.allreduce_latency_s(custom_allreduce),
             link_fraction=hw.link_bandwidth_fraction)
 
@@ -90,11 +92,12 @@ class RooflineKernels:
         self.work, self.terms = work, terms
         hw = work.hw
         # peaks under continuous load: tables and microbenchmarks time bursts at the boost clock, a serving loop runs
-        # at the power-capped clock. An engine's own GEMM rate (llama.cpp's MMQ) was measured in sustained runs.
+        # at the power-capped clock. An engine's own kernel rates (llama.cpp's MMQ and FlashAttention) were measured in
+        # sustained runs.
         self.sustained = hw.sustained_compute_fraction
         self.linear_peak = work.engine_gemm_flops_s or hw.peak(work.compute_dtype) * self.sustained
         self.lm_head_peak = hw.peak(work.lm_head_dtype) * self.sustained
-        self.attn_peak = hw.peak(work.attn_dtype) * self.sustained
+        self.attn_peak = work.engine_attention_flops_s or hw.peak(work.attn_dtype) * self.sustained
         self.bandwidth = hw.memory_bandwidth_bytes_s
         self.link_latency_s = hw.link_latency_s
         self.link_bandwidth = max(hw.link_bandwidth_bytes_s, 1.0)

@@ -63,11 +63,14 @@ class StepWork:
 
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
-                 engine_gemm_flops_s: float | None = None, expert_tile_columns: int | None = None):
+                 engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
+                 expert_tile_columns: int | None = None):
         m = self.model = model
         # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
         # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
         self.engine_gemm_flops_s = engine_gemm_flops_s
+        # the same for the attention kernel (EnginePolicy.engine_attention_flops_s: llama.cpp's FlashAttention)
+        self.engine_attention_flops_s = engine_attention_flops_s
         # the widest token tile of the engine's grouped expert GEMM, each expert padding its tokens to whole tiles
         # (EnginePolicy.expert_tile_columns: llama.cpp's MMQ); None or a model without experts: no padding
         self.expert_tile_columns = expert_tile_columns if (m.is_moe and tp == 1 and not expert_parallel) else None

@@ -91,6 +91,11 @@ class EnginePolicy(ABC):
         library's (cost/work.py StepWork.engine_gemm_flops_s); None: the device's GEMM at its gemm_fraction."""
         return None
 
+    def engine_attention_flops_s(self) -> float | None:
+        """FLOP/s the engine's own attention kernel reaches where it is not a vendor library's (cost/work.py
+        StepWork.engine_attention_flops_s); None: the device's attention peak at its gemm_fraction."""
+        return None
+
     def expert_tile_columns(self) -> int | None:
         """The widest token tile of the engine's grouped expert GEMM where each expert computes its tokens in whole
         tiles (cost/work.py StepWork.padded_expert_tokens); None: experts compute their tokens exactly."""

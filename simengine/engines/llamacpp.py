@@ -46,6 +46,15 @@ MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
 # SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
 # predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
 MMQ_FLOPS_PER_SM_CYCLE = 448.0
+# ggml-cuda's FlashAttention kernel (fattn-mma-f16: f16 K/V tiles on tensor cores, softmax on the CUDA cores) is
+# llama.cpp's own too, and like MMQ its prompt throughput is a fixed amount of work per SM per cycle rather than a
+# share of the FP16 peak: RTX 3090 (82 SMs at 1.695 GHz) runs Llama-3-8B Q4_0 pp512 @ d32768 at 1470.93 tok/s
+# (ggml-org/llama.cpp PR #17505, master, ubatch 512), 348 ms a ubatch of which 121 ms are the layer GEMMs and other
+# work at depth 0 as simulated here (MMQ above), leaving 227 ms for 9.0e12 FLOP of attention (4 x 4096 FLOP per
+# query-key pair, 32 layers, 512 x 33,024 pairs): 39.6 TFLOP/s = 285 FLOP per SM per cycle, 56 % of GA102's FP16
+# tensor rate with FP32 accumulation. Applies with MMQ's condition (an NVIDIA device whose YAML gives sm_count and
+# boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 327), not on A100 or Hopper.
+FA_FLOPS_PER_SM_CYCLE = 285.0
 MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
 # ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
 # converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's
@@ -122,6 +131,12 @@ class LlamaCppEngine(EnginePolicy):
         if hw.vendor != "nvidia" or self.dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
             return None
         return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
+
+    def engine_attention_flops_s(self) -> float | None:
+        """ggml-cuda's FlashAttention rate on an NVIDIA device of known SMs and clock (else None: the device's
+        attention peak)."""
+        hw = self.dep.hardware
+        return FA_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s if hw.vendor == "nvidia" and hw.sm_clocks_per_s else None
 
     def expert_tile_columns(self) -> int | None:
         """MMQ's widest token tile (mmq_x_max 128 with tensor-core MMA, ggml-cuda/mmq.cuh) where MMQ multiplies the

@@ -95,7 +95,9 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
     d = engine.dep
     work = StepWork(d.model, d.hardware, weight_format=d.weight_format, kv_elem_bytes=d.kv_elem_bytes, tp=d.tp,
                     pp=d.pp, expert_parallel=d.expert_parallel, attention_dp=d.attention_dp,
-                    engine_gemm_flops_s=engine.engine_gemm_flops_s(), expert_tile_columns=engine.expert_tile_columns())
+                    engine_gemm_flops_s=engine.engine_gemm_flops_s(),
+                    engine_attention_flops_s=engine.engine_attention_flops_s(),
+                    expert_tile_columns=engine.expert_tile_columns())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     gpu = _kernels(work, hw, engine, timing, kernels)
     proposer = None

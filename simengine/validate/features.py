@@ -31,7 +31,7 @@ class StepFeatures:
     graph: np.ndarray            # bool: replayed from a CUDA graph
     gpu_factor: np.ndarray       # the step's GPU time multiplier (a torch.compile'd decode step; cost/timing.py)
     device: str                  # hardware name
-    dtypes: tuple[str, str, str]  # compute dtypes of the linear op ('' at the engine's own rate), LM head, attention
+    dtypes: tuple[str, str, str]  # compute dtypes of the linear op, LM head and attention ('' at the engine's own rate)
     terms: DeviceTerms           # the device terms the steps were priced with
     engine: dict[str, float] = field(default_factory=dict)  # ENGINE_FIELDS as the engine ran them
     launches: float = 0.0        # kernels an eager step enqueues (kernels_per_layer x layers)
@@ -65,7 +65,8 @@ def step_features(cost: CostModel, shapes: list[BatchShape], stages: int = 1) ->
         graph=np.array([bool(s.cuda_graph) for s in shapes]),
         gpu_factor=np.array([t.gpu_factor(s.num_decode, not s.prefill_chunks and not s.spec_tokens, bool(s.cuda_graph))
                              for s in shapes], dtype=float), device=w.hw.name,
-        dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype, w.attn_dtype), terms=k.terms,
+        dtypes=("" if w.engine_gemm_flops_s else w.compute_dtype, w.lm_head_dtype,
+                "" if w.engine_attention_flops_s else w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
         launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
         grammar_mask_s=cost.grammar_mask_s, roofline_share=share, stages=stages)

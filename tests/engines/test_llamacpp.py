@@ -10,7 +10,7 @@ from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.batch import BatchShape
 from simengine.core.request import Status
-from simengine.engines.llamacpp import MMQ_FLOPS_PER_SM_CYCLE, LlamaCppEngine, LlamaCppParams
+from simengine.engines.llamacpp import FA_FLOPS_PER_SM_CYCLE, MMQ_FLOPS_PER_SM_CYCLE, LlamaCppEngine, LlamaCppParams
 from simengine.errors import InputError
 from simengine.sim.build import build_engine, cost_model
 from tests.conftest import make_dep, make_request
@@ -231,6 +231,23 @@ def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     # Hopper: its tensor clock (1.83 GHz on the SXM5), not the FP32 clock, with its 132 SMs
     h100 = engine(make_dep("h100_sxm", model="llama-2-7b", weight_dtype="q4_0"))
     assert h100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 132 * 1.83e9)
+
+
+def test_flash_attention_runs_at_its_own_rate_per_sm_cycle():
+    """ggml-cuda's FlashAttention at FA_FLOPS_PER_SM_CYCLE x SMs x clock on an NVIDIA device of known SMs, not the
+    FP16 peak: the RTX 3090 row it comes from (Llama-3-8B Q4_0 pp512 @ d32768, 1,470.93 tok/s in PR #17505) is
+    reproduced, and a long context costs the GB10 several times what its FP16 peak would say."""
+    rtx = engine(make_dep("rtx_3090", model="llama-3-8b", weight_dtype="q4_0"))
+    assert rtx.engine_attention_flops_s() == pytest.approx(FA_FLOPS_PER_SM_CYCLE * 82 * 1.695e9)
+    step = cost_model(rtx).step(BatchShape(prefill_chunks=[(512, 32768)], num_logits=1))
+    assert 512 / step.seconds == pytest.approx(1470.93, rel=0.03)
+    spark = engine(make_dep("dgx_spark_gb10", model="qwen2.5-coder-7b", weight_dtype="q8_0"))
+    with_fa = cost_model(spark).step(BatchShape(prefill_chunks=[(2048, 32768)], num_logits=1)).seconds
+    with mock.patch.object(type(spark), "engine_attention_flops_s", lambda self: None):
+        at_peak = cost_model(spark).step(BatchShape(prefill_chunks=[(2048, 32768)], num_logits=1)).seconds
+    assert with_fa > 1.5 * at_peak
+    for hw in ("apple_m2_ultra", "b200"):   # no SM count and clock: the device's attention peak
+        assert engine(make_dep(hw, model="llama-2-7b", weight_dtype="q4_0")).engine_attention_flops_s() is None
 
 
 def test_mmq_pads_each_experts_tokens_to_whole_tiles():
