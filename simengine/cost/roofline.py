@@ -123,11 +123,9 @@ class RooflineKernels:
         return f
 
     def other_comm(self, tokens):
-        """Expert-parallel dispatch/combine and pipeline hand-offs of one step, at the link's latency and rate."""
+        """Pipeline hand-offs of one step, at the link's latency and rate."""
         w = self.work
         s = 0.0 * tokens
-        if w.num_all_to_all:
-            s = s + w.num_all_to_all * (self.link_latency_s + tokens * w.a2a_bytes_per_token / self.link_bandwidth)
         if w.pp > 1:
             s = s + (w.pp - 1) * (self.link_latency_s + tokens * w.allreduce_bytes_per_token / self.link_bandwidth)
         return s

@@ -10,7 +10,7 @@ Both step-time models (the roofline, and measured kernels where tables exist) pr
 - attn_decode: one query per decoding request over its whole context;
 - elementwise: norms, residual adds, activation, RoPE and the KV write: memory-bound, one kernel each;
 - allreduce: tensor parallelism's two all-reduces of tokens x hidden per layer;
-- all_to_all, pp_send: expert parallelism's dispatch and combine; pipeline stage hand-offs.
+- pp_send: pipeline stage hand-offs.
 
 With attention data parallelism (`attention_dp`) the work is one rank's of a group of tp: attention, the dense
 layers and the LM head run whole on the rank's own tokens; each MoE layer gathers the group's tokens to the experts
@@ -116,12 +116,12 @@ class StepWork:
         # communication
         self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size
         self.num_allreduce = 2 * m.num_layers if tp > 1 else 0
-        self.num_all_to_all = 2 * m.num_moe_layers if (expert_parallel and tp > 1 and not attention_dp) else 0
+        # expert parallelism under tensor-parallel attention keeps both all-reduces: every rank holds every token
+        # after attention's, computes the tokens routed to its own experts, and the MoE layer's all-reduce sums the
+        # ranks' parts (vLLM FusedMoE without data parallelism, SGLang's default MoE backend, TensorRT-LLM without
+        # attention DP: no all-to-all)
         if attention_dp:   # each MoE layer's gather and scatter of the group's tokens: one all-reduce's bytes
             self.num_allreduce = m.num_moe_layers
-        if self.num_all_to_all:   # EP: each MoE layer's all-reduce becomes a dispatch + combine (DeepSpeed-MoE)
-            self.num_allreduce -= m.num_moe_layers
-        self.a2a_bytes_per_token = ACT_BYTES * m.hidden_size * m.experts_per_token * (tp - 1) / tp
         self.ring_factor = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
         self.expert_parallel = expert_parallel or attention_dp
 
