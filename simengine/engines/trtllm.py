@@ -84,6 +84,7 @@ class TrtllmEngine(PagedEngine):
         self.onboarded = 0                    # tokens this step copies in from the host pool
         lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.policy != "MAX_UTILIZATION"
         self.cohort = DecodeCohort(self.kv, self.max_num_tokens) if lazy else None
+        self.renumber = False   # a request started out of arrival order since the cohort last numbered the running
 
     @classmethod
     def speculation_of(cls, params: TrtllmParams, dep: Deployment) -> Speculation | None:
@@ -161,6 +162,10 @@ class TrtllmEngine(PagedEngine):
         if self.policy == "MAX_UTILIZATION":
             self._schedule_max_utilization(out, now)
         else:
+            if self.renumber and self.cohort is not None:
+                self.cohort.dissolve()
+                self.cohort.order(self.running, fresh=True)
+                self.renumber = False
             contexts = self.cohort.schedule_decodes(out) if self.cohort is not None else None
             budget = self._schedule_started(out, contexts)
             if self.policy == "GUARANTEED_NO_EVICT" or not self.running:
@@ -223,7 +228,10 @@ class TrtllmEngine(PagedEngine):
         insort(self.running, req, key=arrival_order)
         self.reservations.start(req)
         if self.cohort is not None:
-            self.cohort.order([req], fresh=False)
+            if self.running[-1] is req:
+                self.cohort.order([req], fresh=False)
+            else:   # started before a later arrival (a P/D decode whose KV came first): the cohort numbers the
+                self.renumber = True   # running list afresh before the next schedule
 
     def _schedule_started(self, out: SchedulerOutput, contexts: list[Request] | None) -> MicroBatchBudget:
         """Generation tokens first, then the next chunk of contexts already chunking (FCFS). `contexts`: the running

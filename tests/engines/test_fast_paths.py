@@ -217,6 +217,35 @@ def test_cohort_is_equal_on_a_decode_pool(decode):
     assert eager.summary["completed"] > 100 and sum(carried) > 1000   # the decode side's cohort carried decodes
 
 
+def test_cohort_keeps_trtllms_arrival_order_when_kv_arrives_out_of_order():
+    """TensorRT-LLM's decode side runs its requests in arrival order; a request whose KV arrives before an earlier
+    arrival's (a shorter prompt, prefilled first) starts ahead of it there, so the cohort numbers the running list
+    afresh (two requests finishing in one step finish in that order, and multi-turn users' next questions follow
+    it). Found by test_cohort_changes_no_result."""
+    trt = {"engine": "trtllm", "params": {"enable_chunked_prefill": False, "tokens_per_block": 32}}
+    sc = from_dict(Scenario, {
+        "name": "pd", "seed": 0, "horizon_s": 2.0, "drain_s": 0.5,
+        "deployment": {"hardware": "l4", "model": "llama-3.1-8b"},
+        "workload": {"input_tokens": {"dist": "uniform", "low": 1, "high": 64},
+                     "output_tokens": {"dist": "constant", "value": 8},
+                     "prompt_groups": {"groups": 1, "prompts_per_group": 3, "prefix_tokens": 0, "multi_turn": True},
+                     "arrival": {"process": "stages", "stages": [{"rate": 40.0, "duration_s": 0.5}]}},
+        "engines": [trt], "pools": [{"role": "prefill", "replicas": 1, "kv_transfer": "layerwise"},
+                                    {"role": "decode", "replicas": 1}]}, source="test")
+    eager = _run(sc, lazy=False)
+    renumbered = []
+    cls = ENGINES.get("trtllm")
+    real_start = cls._start
+
+    def spy(self, req):
+        real_start(self, req)
+        renumbered.append(getattr(self, "renumber", False))
+
+    with mock.patch.object(cls, "_start", spy):
+        _assert_same(_run(sc, lazy=True), eager)
+    assert any(renumbered)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(draw=scenarios(), detailed=st.sampled_from([0, 3, 1000]))
 def test_exact_mode_gives_the_same_results_for_every_engine(draw, detailed):
