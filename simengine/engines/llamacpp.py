@@ -53,7 +53,7 @@ MMQ_FLOPS_PER_SM_CYCLE = 448.0
 # work at depth 0 as simulated here (MMQ above), leaving 227 ms for 9.0e12 FLOP of attention (4 x 4096 FLOP per
 # query-key pair, 32 layers, 512 x 33,024 pairs): 39.6 TFLOP/s = 285 FLOP per SM per cycle, 56 % of GA102's FP16
 # tensor rate with FP32 accumulation. Applies with MMQ's condition (an NVIDIA device whose YAML gives sm_count and
-# boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 327), not on A100 or Hopper.
+# boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 380), not on A100 or Hopper.
 FA_FLOPS_PER_SM_CYCLE = 285.0
 MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
 # ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
