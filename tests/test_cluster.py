@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from simengine.api import compare, run_engine
@@ -69,6 +69,8 @@ def test_transfers_that_overlap_on_a_narrow_link_queue_and_take_longer(tmp_path)
        layerwise=st.booleans(), small_decode_pool=st.booleans(), rate=st.sampled_from([4.0, 20.0]),
        engines=st.sampled_from([("vllm", "vllm"), ("sglang", "sglang"), ("trtllm", "vllm"), ("vllm", "sglang"),
                                 ("trtllm", "trtllm"), ("vllm", "trtllm")]))
+@example(seed=0, prefill=3, decode=3, layerwise=False, small_decode_pool=False, rate=4.0,
+         engines=("trtllm", "trtllm"))   # a decode whose KV lands before an earlier arrival's: the cohort numbers it
 def test_a_disaggregated_run_conserves_requests(seed, prefill, decode, layerwise, small_decode_pool, rate, engines):
     pools = [{"role": "prefill", "replicas": prefill, "kv_transfer": "layerwise" if layerwise else "after_prefill",
               "engine": engines[0]}, {"role": "decode", "replicas": decode, "engine": engines[1]}]

@@ -228,10 +228,9 @@ class TrtllmEngine(PagedEngine):
         insort(self.running, req, key=arrival_order)
         self.reservations.start(req)
         if self.cohort is not None:
-            if self.running[-1] is req:
-                self.cohort.order([req], fresh=False)
-            else:   # started before a later arrival (a P/D decode whose KV came first): the cohort numbers the
-                self.renumber = True   # running list afresh before the next schedule
+            self.cohort.order([req], fresh=False)
+            if self.running[-1] is not req:   # started before a later arrival (a P/D decode whose KV came first):
+                self.renumber = True          # the cohort numbers the running list afresh before the next schedule
 
     def _schedule_started(self, out: SchedulerOutput, contexts: list[Request] | None) -> MicroBatchBudget:
         """Generation tokens first, then the next chunk of contexts already chunking (FCFS). `contexts`: the running
