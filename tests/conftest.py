@@ -28,9 +28,9 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 # draw; `--hypothesis-profile=explore` draws new ones at the same count, `make fuzz` 1,000 generated scenarios
 settings.register_profile("default", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("explore", max_examples=25, deadline=None,
+settings.register_profile("explore", max_examples=25, deadline=None, derandomize=False,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("fuzz", max_examples=1000, deadline=None,
+settings.register_profile("fuzz", max_examples=1000, deadline=None, derandomize=False,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
 
