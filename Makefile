@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: sim test test-all fuzz bench lint clean venv conformance-record
+.PHONY: sim test test-all fuzz bench accuracy lint clean venv conformance-record
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+# the simulator's error on published measurements, per row, into the table run reports read (validate/accuracy.py):
+# the shared calibration files and the judged-only files of docs/judge/ (about 10 minutes on 2 cores)
+SHARED ?= ../shared
+ACCURACY_FILES := $(SHARED)/data/validation/public_measurements.csv $(SHARED)/data/validation/serving_measurements.csv \
+	$(wildcard docs/judge/*.csv)
+accuracy: $(STAMP)
+	for f in $(ACCURACY_FILES); do \
+	  $(BIN)/simengine validate $$f --quiet --out results/validation/$$(basename $$f .csv) \
+	    --accuracy simengine/validate/accuracy.csv || exit 1; done
 
 # vLLM's real scheduler on random traces -> tests/conformance/vllm-<version>/*.json.gz (docs/conformance.md). Its own
 # environment (vLLM with its CUDA torch, ~9 GB); not part of `make test`, which replays the recorded fixtures.

@@ -174,6 +174,10 @@ def cmd_run(args) -> int:
         if (f := r.summary.get("faults")) is not None:
             print(f"{label}: {f['failures']} replica failure(s), {f['retries']} request(s) resent, "
                   f"{f['failed_by_fault']} failed by them, availability {100 * f['availability']:.1f}%")
+    from simengine.validate.accuracy import device_line
+    hardware = {p.dep.hardware.name for pools in layouts.values() for p in pools}
+    for name in sorted(hardware):
+        print(device_line(name) + " Per engine: report.html, 'How close the simulator has been'.")
     print(f"results: {written[0]}/<engine>/summary.json" + (f"  plots: {written[1].parent}/" if len(written) > 1
                                                              else "") + f"  report: {report}")
     return EXIT_OK

@@ -38,6 +38,8 @@ def test_every_run_writes_a_self_contained_report(run):
     assert "src=\"http" not in html and "<script" not in html      # nothing fetched, nothing run
     assert "What the runs show" in html and "prefix hit rate" in html
     assert "shared_prefix_tokens" in html                          # the resolved configuration
+    validated = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td>", html.split('id="accuracy"')[1].split("</table>")[0])
+    assert {e for e, _ in validated} == set(ENGINES) and ("vllm", "TTFT") in validated   # the error on measurements
 
 
 def test_report_command_remakes_it_and_refuses_a_wrong_folder(run, tmp_path):

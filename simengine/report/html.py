@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from simengine.errors import InputError
 from simengine.report.tables import OVERLOADED_MARK, side_by_side
 
 TEMPLATE = "report.html.j2"
@@ -70,6 +71,35 @@ def insights(summaries: dict[str, dict], folders: dict[str, Path]) -> list[str]:
     return out
 
 
+def _hardware_name(spec: str) -> str:
+    """The catalog name of a scenario's `deployment.hardware` (a name or a YAML path); the text when unreadable."""
+    from simengine.config.hardware import load_hardware
+    try:
+        return load_hardware(spec).name
+    except (InputError, OSError):
+        return spec
+
+
+def accuracy(summaries: dict[str, dict], hardware: str) -> tuple[list[list[str]], str]:
+    """The simulator's error on published measurements of the run's engines (validate/accuracy.py) as table rows,
+    and a sentence on how many of them were measured on the run's device."""
+    from simengine.validate import accuracy as acc
+
+    def cells(st: dict) -> list[str]:
+        if not st["rows"]:
+            return ["0", "", ""]
+        return [str(st["rows"]), f"{st['median_abs_error_pct']:.1f}%", f"{st['median_error_pct']:+.1f}%"]
+
+    engines = list(dict.fromkeys(s.get("engine", k) for k, s in summaries.items()))
+    rows = [[a["engine"], a["family"], a["scope"], *cells(a["calibration"]), *cells(a["judged"])]
+            for e in engines for a in acc.for_engine(e, hardware)]
+    missing = [e for e in engines if not acc.for_engine(e, hardware)]
+    note = acc.device_line(hardware)
+    if missing:
+        note += f" No published measurement of {', '.join(missing)} was validated."
+    return rows, note
+
+
 def _figures(plots_dir: Path | None, labels: list[str]) -> list[dict]:
     """The run's figures, embedded: the side-by-side grid, each engine's timelines, then any capacity or sweep
     figure drawn for the same scenario."""
@@ -87,8 +117,6 @@ def build(results_dir: Path, plots_dir: Path | None = None) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     import jinja2
-
-    from simengine.errors import InputError
 
     folders = {p.parent.name: p.parent for p in sorted(results_dir.glob("*/summary.json"))}
     if not folders:
@@ -111,6 +139,8 @@ def build(results_dir: Path, plots_dir: Path | None = None) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("simengine", "report/templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
     overloaded = [k for k, s in summaries.items() if s.get("overloaded")]
+    hardware = _hardware_name(str(dep.get("hardware", "?")))
+    accuracy_rows, device_note = accuracy(summaries, hardware)
     return env.get_template(TEMPLATE).render(
         title=f"{results_dir.name}: engines side by side",
         subtitle=(f"{dep.get('model', '?')} ({dep.get('weight_dtype', '?')}) on {dep.get('replicas', 1)} x "
@@ -123,6 +153,7 @@ def build(results_dir: Path, plots_dir: Path | None = None) -> str:
                          "deployment's, not that of serving the offered rate") if overloaded else "",
         failures=[(k, n, reason) for k, s in summaries.items()
                   for reason, n in (s.get("failure_reasons") or {}).items()],
+        accuracy_rows=accuracy_rows, device_note=device_note,
         figures=_figures(plots_dir, list(folders)),
         config=config, version=ver)
 

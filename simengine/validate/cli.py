@@ -33,6 +33,9 @@ def add_subcommands(subparsers) -> None:
     v.add_argument("--quiet", action="store_true", help="print only the summary tables, not every row")
     v.add_argument("--cost-model", choices=("auto", "roofline"), default="auto",
                    help="auto: measured kernels where tables exist (default); roofline: the roofline everywhere")
+    v.add_argument("--accuracy", metavar="TABLE", default=None,
+                   help="record every row's error in this accuracy table, replacing the file's earlier rows "
+                        "(make accuracy: simengine/validate/accuracy.csv, which run reports read)")
     v.set_defaults(handler=cmd_validate)
     c = subparsers.add_parser("calibrate", help="fit the named efficiency and overhead terms to measurements")
     c.add_argument("files", nargs="+", metavar="file", help="measurements CSVs (schema: "
@@ -70,6 +73,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     figure = plot(preds, out / "validation_plot.png", skips) if preds else None
     print(format_report(preds, skips, rows_detail=not args.quiet).rsplit("\n", 1)[0])
     print(f"wrote {csv_path}" + (f" and {figure}" if figure else "") + f" in {time.perf_counter() - t0:.0f} s")
+    if args.accuracy:
+        from simengine.validate.accuracy import record
+        record(Path(args.accuracy), Path(args.file).stem,
+               [(p.row.id, p.engine, p.row.hardware, p.row.metric, p.error_pct) for p in preds])
+        print(f"recorded {len(preds)} rows of {Path(args.file).stem} in {args.accuracy}")
     print(format_report(preds, skips, rows_detail=False).rsplit("\n", 1)[1])
     return 0
 

@@ -1,0 +1,82 @@
+"""The accuracy table run reports read (validate/accuracy.py): its families, its recording, and that it is the
+simulator's current error (rows re-run here must give the errors it holds)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simengine.validate import accuracy as acc
+from simengine.validate.measurements import METRICS, read_measurements
+from simengine.validate.run import Prediction, run_row
+
+REPO = Path(__file__).resolve().parents[2]
+PUBLIC = REPO.parent / "shared" / "data" / "validation" / "public_measurements.csv"
+
+
+def test_every_metric_a_measurement_file_may_hold_has_a_family():
+    assert {m: acc.family(m) for m in METRICS if acc.family(m) is None} == {}
+    assert acc.family("output_throughput_tok_s") == "throughput" and acc.family("p99_itl_ms") == "TPOT / ITL"
+    assert acc.family("prefill_tok_s") == "prefill step" and acc.family("decode_step_ms") == "decode step"
+
+
+def test_recording_replaces_only_the_files_own_rows(tmp_path):
+    path = tmp_path / "accuracy.csv"
+    acc.record(path, "a", [("r1", "vllm", "h100_sxm", "median_ttft_ms", -20.0)])
+    acc.record(path, "b", [("r2", "sglang", "a100_80g_sxm", "request_throughput", 5.0)])
+    acc.record(path, "a", [("r3", "vllm", "h100_sxm", "median_tpot_ms", 3.456)])
+    with path.open() as fh:
+        rows = list(csv.reader(fh))
+    assert rows == [list(acc.COLUMNS), ["a", "r3", "vllm", "h100_sxm", "median_tpot_ms", "3.46"],
+                    ["b", "r2", "sglang", "a100_80g_sxm", "request_throughput", "5.00"]]
+
+
+def test_the_package_table_covers_every_measured_engine_and_both_kinds_of_file():
+    rows = acc.table()
+    assert len(rows) > 500
+    files = {r[0] for r in rows}
+    assert acc.CALIBRATION_FILES <= files and files - acc.CALIBRATION_FILES     # fitted and judged-only rows
+    assert {"vllm", "sglang", "lmdeploy", "tgi", "trtllm", "llamacpp", "generic"} <= {r[2] for r in rows}
+
+
+def test_an_engine_is_judged_on_the_runs_device_when_it_has_rows_there_else_on_every_device():
+    on_h100 = {a["family"]: a for a in acc.for_engine("trtllm", "h100_sxm")}
+    assert on_h100["throughput"]["scope"] == "h100_sxm"
+    assert on_h100["throughput"]["calibration"]["rows"] > 0 and on_h100["throughput"]["judged"]["rows"] > 0
+    elsewhere = {a["family"]: a for a in acc.for_engine("vllm", "mi300x")}
+    assert elsewhere["throughput"]["scope"] == "every device"
+    assert acc.for_engine("no-such-engine", "h100_sxm") == []
+    assert acc.device_rows("h100_sxm") > 0 and "No published measurement" in acc.device_line("jetson_orin_nano")
+
+
+@pytest.mark.skipif(not PUBLIC.exists(), reason="needs ../shared/data/validation")
+def test_the_table_holds_the_simulators_current_error():
+    """A stale table would misreport the error: `make accuracy` must run again whenever a change moves a row.
+    The llama.cpp and TensorRT-LLM step rows of the public file re-run in seconds."""
+    held = {(r[1], r[4]): r[5] for r in acc.table() if r[0] == "public_measurements"}
+    rows = [r for r in read_measurements(PUBLIC) if r.engine == "llamacpp"][:6]
+    assert rows
+    for row in rows:
+        pred = run_row(row)
+        assert isinstance(pred, Prediction), pred
+        assert pred.error_pct == pytest.approx(held[(row.id, row.metric)], abs=0.01), \
+            f"{row.id}: the accuracy table is stale; run `make accuracy`"
+
+
+def test_validate_records_its_rows_in_a_table(tmp_path):
+    f = tmp_path / "one.csv"
+    src = REPO / "docs" / "judge" / "llamacpp.csv"
+    lines = src.read_text().splitlines()
+    f.write_text("\n".join(lines[:3]) + "\n")
+    table = tmp_path / "acc.csv"
+    r = subprocess.run([sys.executable, "-m", "simengine", "validate", str(f), "--quiet", "--out",
+                        str(tmp_path / "out"), "--accuracy", str(table)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    with table.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [x["file"] for x in rows] == ["one", "one"] and {x["engine"] for x in rows} == {"llamacpp"}
