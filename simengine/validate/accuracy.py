@@ -34,7 +34,8 @@ def family(metric: str) -> str | None:
 def record(path: Path, file: str, rows: list[tuple[str, str, str, str, float]]) -> None:
     """Replace `file`'s rows in the table at `path` with `rows` (id, engine, hardware, metric, signed error %)."""
     kept = [r for r in _read(path) if r[0] != file] if path.exists() else []
-    new: list[tuple[str, ...]] = [(file, rid, engine, hw, metric, f"{err:.2f}") for rid, engine, hw, metric, err in rows]
+    new: list[tuple[str, ...]] = [(file, rid, engine, hw, metric, f"{err:.2f}")
+                                  for rid, engine, hw, metric, err in rows]
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", newline="") as fh:
         w = csv.writer(fh)
