@@ -289,7 +289,7 @@ def cmd_recommend(args) -> int:
 
     from simengine.config.scenario import load_scenario, resolve_scenario_path
     from simengine.planning.capacity import parse_slo, rated, requests_per_run
-    from simengine.planning.recommend import PRIORITIES, recommend, why
+    from simengine.planning.recommend import PRIORITIES, margin_line, recommend, why
     from simengine.sim.build import build_deployment
 
     scenario = load_scenario(args.scenario, args.set)
@@ -330,11 +330,15 @@ def cmd_recommend(args) -> int:
     print(pd.DataFrame.from_dict(rows, orient="index").to_string())
     reason = why(ranked[0], ranked[1]) if len(ranked) > 1 else f"{ranked[0].label} is the only engine that runs"
     print(f"recommended: {ranked[0].label} ({reason})")
+    margin, within = (margin_line(ranked[0], ranked[1], args.priority, dep.hardware.name) if len(ranked) > 1
+                      else ("", None))
+    if margin:
+        print(margin)
     out = Path(args.out) / scenario.name
     out.mkdir(parents=True, exist_ok=True)
     doc = {"scenario": scenario.name, "priority": args.priority, "limits": [str(x) for x in limits],
            "attainment": args.attainment, "price_usd_per_hour": price, "price_source": source,
-           "recommended": ranked[0].label, "why": reason,
+           "recommended": ranked[0].label, "why": reason, "margin": margin, "lead_within_error": within,
            "ranking": [{"engine": r.label, "score": round(r.score, 4),
                         "capacity_req_s_per_device": round(r.capacity.rate_per_device, 4),
                         "capacity_limited_by": r.capacity.why_not_higher,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from simengine.config.scenario import EngineEntry
-from simengine.planning.recommend import candidates, recommend, why
+from simengine.planning.recommend import Ranked, candidates, margin_and_error, margin_line, recommend, why
 from simengine.sim.build import build_deployment
 from tests.conftest import make_scenario
 
@@ -67,6 +67,25 @@ def test_recommend_cli_prints_the_ranking_and_writes_its_evidence(tmp_path):
     doc = json.loads(next(tmp_path.rglob("recommend_latency.json")).read_text())
     assert {x["engine"] for x in doc["ranking"]} == {"mlc", "llamacpp"}
     assert doc["recommended"] == doc["ranking"][0]["engine"]
+    assert doc["margin"].startswith("lead ") and doc["lead_within_error"] is None   # no TTFT row of either engine
+
+
+def _ranked(engine: str, score: float) -> Ranked:
+    return Ranked(engine, engine, None, {}, score, None)  # type: ignore[arg-type]  # no capacity needed here
+
+
+def test_a_lead_within_the_simulators_error_on_the_two_engines_is_called_a_tie():
+    """The lead is set against the engines' median |error| on published measurements (validate/accuracy.py):
+    throughput errors for capacity and cost, TTFT errors for latency, the larger of the two for balanced."""
+    lead, errors = margin_and_error(_ranked("vllm", 1.0), _ranked("sglang", 0.95), "throughput", "h100_sxm")
+    assert lead == pytest.approx(0.05) and set(errors) == {"vllm", "sglang"} and min(errors.values()) > 5
+    text, within = margin_line(_ranked("vllm", 1.0), _ranked("sglang", 0.95), "throughput", "h100_sxm")
+    assert within is True and "a tie within that error" in text
+    text, within = margin_line(_ranked("vllm", 1.0), _ranked("static", 0.3), "throughput", "h100_sxm")
+    assert within is False and "static" not in text.split("engines:")[1]     # the baseline was never measured
+    assert margin_line(_ranked("mlc", 1.0), _ranked("static", 0.5), "latency", "h100_sxm")[1] is None
+    balanced = margin_and_error(_ranked("vllm", 1.0), _ranked("sglang", 0.9), "balanced", "h100_sxm")[1]
+    assert balanced["vllm"] >= errors["vllm"]     # TTFT under load is further off than throughput
 
 
 @pytest.mark.parametrize("args,field", [

@@ -28,6 +28,7 @@ EVIDENCE = (
 @dataclass
 class Ranked:
     label: str
+    engine: str
     capacity: Capacity
     at_rate: dict           # summary.json of the run at the scenario's own rate
     score: float            # the priority's figure (higher ranks first)
@@ -94,6 +95,39 @@ def why(first: Ranked, second: Ranked) -> str:
     return head + ("; " + "; ".join(top) if top else "; no mechanism figure differs by much")
 
 
+# the metric families (validate/accuracy.py) whose error bears on each priority's figure: capacity and cost follow
+# the throughput predictions, latency the TTFT ones, the balanced score both
+PRIORITY_FAMILIES = {"throughput": ("throughput",), "cost": ("throughput",), "latency": ("TTFT",),
+                     "balanced": ("throughput", "TTFT")}
+
+
+def margin_and_error(first: Ranked, second: Ranked, priority: str, hardware: str) -> tuple[float, dict[str, float]]:
+    """The winner's lead, 1 - the runner-up's score over the winner's, and the simulator's median |error| on
+    published measurements of each of the two engines in the priority's metric families (validate/accuracy.py
+    median_abs_error; an engine without such rows is left out)."""
+    from simengine.validate.accuracy import median_abs_error
+    lead = 1.0 - second.score / first.score if first.score > 0 else 0.0
+    errors = {}
+    for r in (first, second):
+        e = median_abs_error(r.engine, hardware, PRIORITY_FAMILIES[priority])
+        if e is not None:
+            errors[r.engine] = round(e, 1)
+    return lead, errors
+
+
+def margin_line(first: Ranked, second: Ranked, priority: str, hardware: str) -> tuple[str, bool | None]:
+    """A sentence comparing the winner's lead with the simulator's error on these engines, and whether the lead is
+    within it (None when neither engine was validated)."""
+    lead, errors = margin_and_error(first, second, priority, hardware)
+    head = f"lead {lead:.0%} over {second.label}"
+    if not errors:
+        return f"{head}; neither engine was validated on published measurements", None
+    within = lead * 100 <= max(errors.values())
+    parts = ", ".join(f"{e} {v:.0f}%" for e, v in errors.items())
+    return (f"{head}; the simulator's median |error| on published measurements of these engines: {parts}"
+            f"{': a tie within that error' if within else ''}", within)
+
+
 def recommend(scenario: Scenario, limits: list[StatLimit], *, priority: str = "balanced", attainment: float = 0.99,
               tolerance: float = 0.02, engines: list[EngineEntry] | None = None, price: float | None = None,
               progress=None) -> list[Ranked]:
@@ -114,7 +148,7 @@ def recommend(scenario: Scenario, limits: list[StatLimit], *, priority: str = "b
             continue
         at_rate = run_engine(scenario, entry).summary
         cap = search(scenario, entry, limits, attainment=attainment, tolerance=tolerance)
-        ranked.append(Ranked(entry.display, cap, at_rate, 0.0, price))
+        ranked.append(Ranked(entry.display, entry.engine, cap, at_rate, 0.0, price))
         if progress:
             progress(entry.display, f"{cap.rate:.3g} req/s")
     if not ranked:

@@ -67,16 +67,31 @@ def _stats(errors: list[float]) -> dict:
             "median_error_pct": round(float(np.median(e)), 1)} if len(e) else {"rows": 0}
 
 
+def _scoped(engine: str, hardware: str, name: str) -> tuple[str, list[tuple]]:
+    """`engine`'s rows of family `name` on `hardware` when it has MIN_ROWS_ON_DEVICE or more there, else on every
+    device (none: no rows), and which of the two."""
+    rows = [r for r in table() if r[2] == engine and family(r[4]) == name]
+    here = [r for r in rows if r[3] == hardware]
+    return (hardware, here) if len(here) >= MIN_ROWS_ON_DEVICE else ("every device", rows)
+
+
+def median_abs_error(engine: str, hardware: str, families: tuple[str, ...]) -> float | None:
+    """The largest, over `families`, of `engine`'s median |error| on its scoped rows (calibration and judged
+    together); None when it has no rows in any of them."""
+    found = [float(np.median(np.abs([r[5] for r in rows]))) for rows in
+             (_scoped(engine, hardware, name)[1] for name in families) if rows]
+    return max(found) if found else None
+
+
 def for_engine(engine: str, hardware: str) -> list[dict]:
     """Per metric family with rows of `engine`: their error on `hardware` when it has MIN_ROWS_ON_DEVICE or more
     there, else on every device, calibration rows and judged rows apart."""
     out = []
     for name, _ in FAMILIES:
-        rows = [r for r in table() if r[2] == engine and family(r[4]) == name]
-        if not rows:
+        scope, chosen = _scoped(engine, hardware, name)
+        if not chosen:
             continue
-        here = [r for r in rows if r[3] == hardware]
-        scope, chosen = (hardware, here) if len(here) >= MIN_ROWS_ON_DEVICE else ("every device", rows)
+        rows = [r for r in table() if r[2] == engine and family(r[4]) == name]
         out.append({"engine": engine, "family": name, "scope": scope,
                     "calibration": _stats([r[5] for r in chosen if r[0] in CALIBRATION_FILES]),
                     "judged": _stats([r[5] for r in chosen if r[0] not in CALIBRATION_FILES]),
