@@ -90,10 +90,10 @@ def accuracy(summaries: dict[str, dict], hardware: str) -> tuple[list[list[str]]
             return ["0", "", ""]
         return [str(st["rows"]), f"{st['median_abs_error_pct']:.1f}%", f"{st['median_error_pct']:+.1f}%"]
 
-    engines = list(dict.fromkeys(s.get("engine", k) for k, s in summaries.items()))
+    found = {e: acc.for_engine(e, hardware) for e in dict.fromkeys(s.get("engine", k) for k, s in summaries.items())}
     rows = [[a["engine"], a["family"], a["scope"], *cells(a["calibration"]), *cells(a["judged"])]
-            for e in engines for a in acc.for_engine(e, hardware)]
-    missing = [e for e in engines if not acc.for_engine(e, hardware)]
+            for families in found.values() for a in families]
+    missing = [e for e, families in found.items() if not families]
     note = acc.device_line(hardware)
     if missing:
         note += f" No published measurement of {', '.join(missing)} was validated."

@@ -91,11 +91,9 @@ def for_engine(engine: str, hardware: str) -> list[dict]:
         scope, chosen = _scoped(engine, hardware, name)
         if not chosen:
             continue
-        rows = [r for r in table() if r[2] == engine and family(r[4]) == name]
         out.append({"engine": engine, "family": name, "scope": scope,
                     "calibration": _stats([r[5] for r in chosen if r[0] in CALIBRATION_FILES]),
-                    "judged": _stats([r[5] for r in chosen if r[0] not in CALIBRATION_FILES]),
-                    "devices": sorted({r[3] for r in rows})})
+                    "judged": _stats([r[5] for r in chosen if r[0] not in CALIBRATION_FILES])})
     return out
 
 
