@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from simengine.errors import InputError
+
 TABLE = Path(__file__).with_name("accuracy.csv")
 COLUMNS = ("file", "id", "engine", "hardware", "metric", "error_pct")
 # the files `simengine calibrate` fits the cost terms on (docs/validation.md); every other file is judged only
@@ -29,6 +31,15 @@ MIN_ROWS_ON_DEVICE = 3   # fewer rows of an engine on the run's device: its rows
 def family(metric: str) -> str | None:
     """The family a measurement's metric belongs to (None: none shown)."""
     return next((name for name, keys in FAMILIES if any(k in metric for k in keys)), None)
+
+
+def check_table(path: Path) -> None:
+    """InputError unless `path` can be recorded into: its folder exists and, if it exists, it is such a table."""
+    if not path.parent.is_dir():
+        raise InputError(f"no folder {path.parent} for the accuracy table {path}; give a path in an existing folder",
+                         field="--accuracy")
+    if path.exists():
+        _read(path)
 
 
 def record(path: Path, file: str, rows: list[tuple[str, str, str, str, float]]) -> None:
@@ -49,7 +60,8 @@ def _read(path: Path) -> list[tuple[str, ...]]:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None or tuple(header) != COLUMNS:
-            raise ValueError(f"{path}: expected the columns {','.join(COLUMNS)}")
+            raise InputError(f"{path} is not an accuracy table (its columns must be {','.join(COLUMNS)}); give a new "
+                             "file or one `simengine validate --accuracy` wrote", field="--accuracy")
         return [tuple(r) for r in reader]
 
 

@@ -64,6 +64,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from simengine.validate.run import Prediction, run_rows
 
     t0 = time.perf_counter()
+    if args.accuracy:   # before minutes of validation, not after
+        from simengine.validate.accuracy import check_table
+        check_table(Path(args.accuracy))
     rows = read_measurements(args.file)
     results = run_rows(rows, jobs=args.jobs, kernels=args.cost_model)
     preds = [r for r in results if isinstance(r, Prediction)]

@@ -80,3 +80,15 @@ def test_validate_records_its_rows_in_a_table(tmp_path):
     with table.open() as fh:
         rows = list(csv.DictReader(fh))
     assert [x["file"] for x in rows] == ["one", "one"] and {x["engine"] for x in rows} == {"llamacpp"}
+
+
+@pytest.mark.parametrize("table,words", [("missing/acc.csv", "no folder"), ("bad.csv", "not an accuracy table")])
+def test_a_table_it_cannot_record_into_is_refused_before_validating(tmp_path, table, words):
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "simengine", "validate", str(REPO / "docs" / "judge" / "llamacpp.csv"),
+                        "--out", str(out), "--accuracy", str(tmp_path / table)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--accuracy" in r.stderr and words in r.stderr and not out.exists()
+    assert (tmp_path / "bad.csv").read_text() == "a,b\n1,2\n"
