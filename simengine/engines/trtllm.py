@@ -382,12 +382,7 @@ class TrtllmEngine(PagedEngine):
             if victim.status is Status.RUNNING and victim.request_id not in self.tails:
                 self.running.remove(victim)
                 self.reservations.end(victim)
-                self.kv.free(victim)   # its full blocks stay reusable: the resume is a partial recompute
-                victim.num_computed_tokens = 0
-                victim.status = Status.PREEMPTED
-                victim.num_preemptions += 1
-                self.num_preemptions += 1
-                out.preempted.append(victim)
+                self.drop_for_recompute(victim, out)   # its full blocks stay reusable: a partial recompute
                 insort(self.waiting, victim, key=arrival_order)
                 return j
         return -1
