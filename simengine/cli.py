@@ -135,21 +135,24 @@ def cmd_run(args) -> int:
             raise CannotRun("no engine can serve this deployment: " + "; ".join(
                 f"{k}: {v}" for k, v in skipped.items()), field="engines")
         bar = None if args.quiet or not sys.stderr.isatty() else _Progress(scenario)
-        try:
-            results = compare(scenario, engines, max_wall_s=args.max_wall_s, progress=bar)  # a refused trace or
-        finally:                                                                           # prompt: no write
+        try:   # a refused trace or prompt: no write
+            results = compare(scenario, engines, max_wall_s=args.max_wall_s, progress=_checked(bar))
+        finally:
             if bar is not None:
                 bar.clear()
+        _raise_if_interrupted()   # an interrupt a finalizer swallowed during the last engine's teardown
     except InputError as exc:  # name the scenario file the bad value came from
         raise exc.located(str(resolve_scenario_path(args.scenario)), None) from None
     _progress.update(kept=f"nothing new: results were being written ({out} is as it was)")
     written = [write_results(scenario, results, Path(args.out))]
     _progress.update(kept=f"{out}/ (complete); some figures under {Path(args.plots) / scenario.name}/ may be "
                           "missing or from an earlier run")
+    _raise_if_interrupted()   # swallowed while the results were written (they were written whole)
     if not args.no_plots:
         written += write_plots(scenario, results, Path(args.plots))
     from simengine.report import html
     report = html.write(written[0], None if args.no_plots else Path(args.plots) / scenario.name)
+    _raise_if_interrupted()
     partial = [k for k, r in results.items() if r.summary["partial"]]
     if partial:
         print(f"stopped at --max-wall-s {args.max_wall_s:g}: {', '.join(partial)} did not finish; their results "
@@ -451,19 +454,40 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
-_progress = {"kept": "nothing"}   # what an interrupt at this point leaves behind, said in its message
+# what an interrupt at this point leaves behind, said in its message; whether a signal came
+_progress: dict = {"kept": "nothing", "signalled": False}
 
 
-def _terminate(signum, frame):
-    raise KeyboardInterrupt   # SIGTERM unwinds like Ctrl-C: temporary files are removed, the message is printed
+def _interrupt(signum, frame):
+    """Ctrl-C and SIGTERM unwind as KeyboardInterrupt: temporary files are removed, the message is printed. The
+    signal is also remembered: Python swallows an exception raised while a finalizer runs (a suspended simulation
+    process closed when its run is torn down prints 'Exception ignored' and the run goes on), so the simulation's
+    progress checks and the end of the comparison raise it again (`_raise_if_interrupted`)."""
+    _progress["signalled"] = True
+    raise KeyboardInterrupt
+
+
+def _raise_if_interrupted() -> None:
+    if _progress["signalled"]:
+        raise KeyboardInterrupt
+
+
+def _checked(progress):
+    """`progress` for `compare` (or none) behind a check for a signal whose KeyboardInterrupt was swallowed; the
+    runner calls it about twice a wall-clock second."""
+    def tick(*args):
+        _raise_if_interrupted()
+        if progress is not None:
+            progress(*args)
+    return tick
 
 
 def main(argv: list[str] | None = None) -> int:
-    _progress.update(kept="nothing")
+    _progress.update(kept="nothing", signalled=False)
     try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:   # not the main thread (an embedding application): leave its handlers alone
-        previous = None
+        previous = {}
     try:
         args = _parser().parse_args(argv)
         if args.command in ("run", "compare"):
@@ -486,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simengine: internal error: {exc.__class__.__name__}: {exc} (please report)", file=sys.stderr)
         return EXIT_INTERNAL
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from simengine.api import compare, write_plots, write_results
 from tests.conftest import make_scenario
@@ -53,6 +54,38 @@ def test_a_signal_mid_run_writes_nothing_and_says_so(tmp_path, sig):
     assert len(lines) == 1 and lines[0].startswith("simengine: interrupted; kept: nothing"), stderr
     assert "Traceback" not in stderr
     assert _files(out) == [] and _files(plots) == []
+
+
+@pytest.mark.parametrize("when", ["between engines", "during a run"])
+def test_an_interrupt_a_finalizer_swallowed_still_stops_the_run(tmp_path, monkeypatch, capsys, when):
+    """A KeyboardInterrupt raised while Python runs a finalizer is printed as 'Exception ignored' and lost (a
+    suspended simulation process closed as its run is torn down: the one way the signal test above flaked, about
+    once in 80 signals). The CLI remembers the signal and raises it again: at the runner's next progress check, or
+    once the comparison returns; nothing is written either way."""
+    from simengine import api, cli
+    from simengine.sim import runner
+    monkeypatch.setattr(runner, "PROGRESS_EVERY_S", 0.0)
+    original, seen = api.run_engine, []
+
+    def swallowed(scenario, entry, **kw):   # the handler ran, its exception did not reach the CLI
+        if when == "during a run" or seen:
+            cli._progress["signalled"] = True
+        seen.append(entry.display)
+        return original(scenario, entry, **kw)
+    monkeypatch.setattr(api, "run_engine", swallowed)
+    sc = tmp_path / "two.yaml"
+    sc.write_text(yaml.safe_dump({
+        "name": "two", "seed": 1, "horizon_s": 20.0,
+        "deployment": {"hardware": "h100_sxm", "model": "llama-3.1-8b"},
+        "workload": {"arrival": {"process": "poisson", "rate": 4.0}, "input_tokens": {"dist": "constant", "value": 500},
+                     "output_tokens": {"dist": "constant", "value": 100}},
+        "engines": ["vllm", "sglang"]}))
+    out, plots = tmp_path / "results", tmp_path / "plots"
+    assert cli.main(["run", str(sc), "--out", str(out), "--plots", str(plots)]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("simengine: interrupted; kept: nothing") and "Traceback" not in err
+    assert _files(out) == [] and _files(plots) == []
+    assert seen == (["vllm"] if when == "during a run" else ["vllm", "sglang"])
 
 
 def _results():
