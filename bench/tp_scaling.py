@@ -46,7 +46,7 @@ def published() -> list[tuple[int, float, float]]:
     from simengine.validate.run import run_row
 
     rows = [r for r in read_measurements(PUBLISHED) if r.model == "llama-3.1-70b" and r.weight_dtype == "fp8"
-            and r.hardware == "h100_sxm" and "v0.6.0" in r.notes]
+            and r.hardware == "h100_sxm" and "v0.6.0" in r.notes and r.metric == "median_tpot_ms"]
     return sorted((r.tp, r.value, run_row(r).predicted) for r in rows)
 
 

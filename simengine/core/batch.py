@@ -75,3 +75,5 @@ class StepResult:
     itl_groups: dict[float, int] = field(default_factory=dict)
     num_first_tokens: int = 0
     num_accepted: int = 0       # speculative drafts accepted (tokens streamed beside each request's own one)
+    # tokens the step computed where the client sees fewer now (a multi-step run streams at its end); None: as streamed
+    num_tokens: int | None = None

@@ -23,6 +23,7 @@ from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
+from simengine.engines.multi_step import MultiStepDelivery
 from simengine.engines.paged import PagedEngine
 from simengine.engines.speculative import Speculation, resolve
 from simengine.engines.vllm_config import VllmParams, vllm_batch_defaults, vllm_capture_sizes, vllm_kv_cache
@@ -48,6 +49,7 @@ class VllmEngine(PagedEngine):
     defer_output_publish: ClassVar[bool] = True
 
     def __init__(self, params: VllmParams, dep: Deployment):
+        dep = fp8_weight_only(dep)
         seqs, batched = vllm_batch_defaults(dep)
         self.max_num_seqs = params.max_num_seqs or seqs
         self.max_num_batched_tokens = params.max_num_batched_tokens or batched
@@ -73,7 +75,8 @@ class VllmEngine(PagedEngine):
         self.waiting_heap: list[tuple[int, float, int, Request]] = []
         self.priority = p.scheduling_policy == "priority"
         # drafts and adapters: per-request steps
-        lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.adapters is None
+        lazy = self.lazy_decode and dep.pp == 1 and self.speculation is None and self.adapters is None and \
+            p.num_scheduler_steps == 1   # a multi-step run streams at its end (engines/multi_step.py)
         self.cohort = DecodeCohort(self.kv, self.max_num_batched_tokens,
                                    self._cap_running if p.long_prefill_token_threshold else None) if lazy else None
         # KV slots a decode holds past its verified tokens for the drafter (Scheduler.num_lookahead_tokens: the
@@ -82,6 +85,7 @@ class VllmEngine(PagedEngine):
         self.last_step_end_s = -1.0
         self.last_out = SchedulerOutput()  # the last step applied
         self.multi_step_left = 0            # num_scheduler_steps > 1: decode steps left in the current run
+        self.delivery = MultiStepDelivery() if p.num_scheduler_steps > 1 else None
         # async_scheduling (vLLM's AsyncScheduler, EngineCore.step_with_batch_queue): step k+1 is scheduled before
         # step k's output is applied, so a request that finishes in step k still sits in `running` with its blocks
         # for one more decision (skipped: its last token is in flight) and is freed after it. Every other decision
@@ -168,7 +172,8 @@ class VllmEngine(PagedEngine):
             self.adapters.shape_step(out.scheduled, out.shape)
         if self.params.num_scheduler_steps > 1:   # a decode-only step starts a run of num_scheduler_steps
             self.multi_step_left = (self.multi_step_left - 1 if in_run else
-                                    0 if out.shape.prefill_chunks else self.params.num_scheduler_steps - 1)
+                                    0 if out.shape.prefill_chunks or not out.scheduled else
+                                    self.params.num_scheduler_steps - 1)
         if self.finishing:
             out.released = len(self.finishing)
             for req in self.finishing:
@@ -183,7 +188,15 @@ class VllmEngine(PagedEngine):
             super().on_finished(finished, now)
 
     def update(self, out: SchedulerOutput, now: float):
-        res = super().update(out, now)
+        delivery = self.delivery
+        if delivery is None:
+            res = super().update(out, now)
+        else:   # V0 multi-step: the run streams at its end, which comes early when every request of it finished
+            delivery.before(out.scheduled)
+            res = super().update(out, now)
+            if self.multi_step_left and all(r.status is Status.FINISHED for r in self.running):
+                self.multi_step_left = 0
+            res = delivery.after(res, now, run_over=not self.multi_step_left)
         self.last_step_end_s = now
         self.last_out = out
         return res
@@ -380,3 +393,15 @@ class VllmEngine(PagedEngine):
         self.kv.take_from_host(host_tokens, disk_tokens)
         self.load_from_host(req, hit.num_tokens, host_tokens, out, disk_tokens)
         return True
+
+
+def fp8_weight_only(dep: Deployment) -> Deployment:
+    """FP8 checkpoints on NVIDIA devices without FP8 tensor cores (here all Ampere, SM 8.x) run as weight-only W8A16
+    through FP8 Marlin: weights stay one byte, GEMMs compute in 16 bit (vLLM docs 'FP8 W8A8': 'FP8 models will run on
+    compute capability >= 7.5 (Turing) as weight-only W8A16, utilizing FP8 Marlin'; vllm-project/vllm PR #5975;
+    MoE layers too, marlin_utils_fp8 per sgl-project/sglang issue #12887)."""
+    fmt, hw = dep.weight_format, dep.hardware
+    if fmt.name != "fp8" or "fp8" in hw.peak_flops or hw.vendor != "nvidia":
+        return dep
+    return dataclasses.replace(dep, weight_format=dataclasses.replace(
+        fmt, fallback_compute="bf16", source=fmt.source + "; weight-only W8A16 through FP8 Marlin (vLLM)"))

@@ -49,7 +49,8 @@ class VllmParams(Checked):
     # specified" (the pool a run's log reported, when a measurement states it)
     num_gpu_blocks_override: Annotated[int, Range(1, 50_000_000)] | None = None
     # vLLM V0 (0.5.4-0.7) --num-scheduler-steps: the scheduler runs once per this many steps, so a run of decode
-    # steps admits nobody new until it ends (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
+    # steps admits nobody new until it ends and streams its tokens at its end (engines/multi_step.py)
+    # (vllm/engine/arg_utils.py of 0.6.0; removed with V0, where 1 is all)
     num_scheduler_steps: Annotated[int, Range(1, 1024)] = 1
     # speculative decoding (engines/speculative.py); V1 keeps no disable_by_batch_size (unused since V0 was removed
     # in 0.10 and deleted by PR #35060), so drafts run at every batch size

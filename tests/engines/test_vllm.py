@@ -2,13 +2,15 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from simengine.core.request import Status
 from simengine.engines.vllm import VllmEngine, VllmParams, vllm_batch_defaults, vllm_capture_sizes
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
 from tests.conftest import make_dep, make_request
-from tests.engines.harness import run_step
+from tests.engines.harness import drive, run_step
 
 
 def engine(**params) -> VllmEngine:
@@ -248,6 +250,41 @@ def test_multi_step_runs_admit_nobody_until_they_end():
     assert plain.timing.scheduler_cpu_s == pytest.approx(4 * eng.timing.scheduler_cpu_s)   # one schedule per run
 
 
+def test_multi_step_runs_stream_their_tokens_at_their_end():
+    """V0 multi-step: a run's tokens reach the client when it ends, one chunk per request (one inter-token gap from
+    its last delivered token); a request that finished inside the run is reported with it; step rows keep the tokens
+    each step computed."""
+    eng = VllmEngine(VllmParams(num_scheduler_steps=4), make_dep())
+    short, long = make_request(64, output_len=3), make_request(64, output_len=20)
+    eng.add_request(short, 0.0)
+    eng.add_request(long, 0.0)
+    _, res = run_step(eng, 0.0)                     # both prompts: first tokens at 0.01, streamed at once
+    assert res.num_first_tokens == 2 and short.first_token_s == 0.01
+    for i in range(3):                              # the run's first three steps: nothing streamed
+        out, res = run_step(eng, 0.01 * (i + 1))
+        assert res.itl_groups == {} and res.finished == [] and res.num_tokens == len(out.scheduled)
+    assert short.num_output_tokens == 3 and short.status is Status.FINISHED   # computed at its second step
+    out, res = run_step(eng, 0.04)                  # the last step of the run
+    assert [r for r, _ in out.scheduled] == [long] and res.num_tokens == 1
+    assert res.finished == [short] and short.finish_s == short.last_token_s == 0.05
+    assert res.itl_groups == {0.01: 2} and long.last_token_s == 0.05 and long.num_output_tokens == 5
+
+
+def test_a_multi_step_run_ends_when_every_request_of_it_finished():
+    """Nothing left to run: the run ends at once, its tokens stream and a waiting request is admitted."""
+    eng = VllmEngine(VllmParams(num_scheduler_steps=8), make_dep())
+    only = make_request(64, output_len=3)
+    eng.add_request(only, 0.0)
+    run_step(eng, 0.0)
+    run_step(eng, 0.01)                             # starts a run of 8
+    late = make_request(64, output_len=2)
+    eng.add_request(late, 0.015)
+    _, res = run_step(eng, 0.02)                    # its last token: the run is over
+    assert res.finished == [only] and only.finish_s == 0.03 and eng.multi_step_left == 0
+    out, _ = run_step(eng, 0.03)
+    assert [r for r, _ in out.scheduled] == [late]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_async_scheduling_frees_a_finished_request_one_decision_later(async_scheduling):
     """vLLM's AsyncScheduler schedules step k+1 before applying step k's output: a request whose last token is in
@@ -265,3 +302,72 @@ def test_async_scheduling_frees_a_finished_request_one_decision_later(async_sche
         assert out.is_empty and out.released == 1 and eng.num_running() == 0 and eng.kv_usage() == 0
         out, _ = run_step(eng, 0.03)
     assert [r for r, _ in out.scheduled] == [b]
+
+
+def test_a_multi_step_run_streams_one_chunk_per_run_and_loses_no_token():
+    """A whole run with --num-scheduler-steps 10 against single steps: every token is computed and delivered once
+    (step rows and requests agree), the streamed gaps are runs of about ten steps, and a request's TPOT never falls
+    below its single-step value (its tokens only wait)."""
+    from simengine.api import run_engine
+    from tests.conftest import make_scenario
+
+    results = {}
+    for steps in (1, 10):
+        sc = make_scenario(engines=[{"engine": "vllm", "params": {"num_scheduler_steps": steps}}], horizon_s=10.0)
+        results[steps] = r = run_engine(sc, sc.engines[0])
+        done = r.requests[r.requests.status == "completed"]
+        assert len(done) == len(r.requests) and r.steps.output_tokens.sum() == done.num_output_tokens.sum()
+    one, ten = results[1], results[10]
+    decode_step_ms = 1e3 * ten.steps[ten.steps.prefill_tokens == 0].step_s.median()
+    assert 8 * decode_step_ms < ten.summary["median_itl_ms"] < 11 * decode_step_ms
+    assert one.summary["median_itl_ms"] < 2 * decode_step_ms
+    assert ten.summary["mean_tpot_ms"] > one.summary["mean_tpot_ms"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.integers(2, 12), lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40),
+                                                           st.integers(0, 5)), min_size=1, max_size=12))
+def test_multi_step_streaming_delivers_every_request_once_and_never_early(steps, lengths):
+    """Any workload under --num-scheduler-steps: every request is reported once, whole, at a step's end no earlier
+    than its last token was computed, and its finish is its last streamed token."""
+    eng = VllmEngine(VllmParams(num_scheduler_steps=steps), make_dep())
+    reqs = [make_request(p, o, arrival_s=0.02 * a) for p, o, a in lengths]
+    computed: dict[int, float] = {}
+    real_update = eng.update
+
+    def update(out, now):
+        for req, _ in out.scheduled:
+            computed[req.request_id] = now
+        return real_update(out, now)
+
+    eng.update = update
+    done, failed = drive(eng, reqs)
+    assert not failed and sorted(r.request_id for r in done) == sorted(r.request_id for r in reqs)
+    for req in done:
+        assert req.finish_s == req.last_token_s >= computed[req.request_id] >= req.first_token_s
+
+
+def test_fp8_checkpoints_run_weight_only_on_a_device_without_fp8_tensor_cores():
+    """vLLM runs an FP8 checkpoint on an A100 through FP8 Marlin (W8A16): one byte a weight, 16-bit GEMMs, so a
+    batch-1 decode is faster than BF16's and the KV pool larger; engines without that path refuse it."""
+    from simengine.config.loader import from_dict
+    from simengine.config.scenario import Scenario
+    from simengine.errors import InputError as Refused
+    from simengine.sim.build import build_deployment, build_engine, cost_model
+    from simengine.validate.run import decode_shape
+
+    def built(engine: str, dtype: str):
+        sc = from_dict(Scenario, {"name": "x", "deployment": {"hardware": "a100_80g_sxm", "model": "llama-3.1-8b",
+                                                              "weight_dtype": dtype},
+                                  "workload": {"num_requests": 1}, "engines": [engine]}, source="test")
+        eng = build_engine(sc.engines[0], build_deployment(sc))
+        return eng, cost_model(eng)
+
+    (fp8, fp8_cost), (bf16, bf16_cost) = built("vllm", "fp8"), built("vllm", "bf16")
+    assert fp8.dep.weight_format.bytes_per_param == 1.0 and fp8_cost.work.compute_dtype == "bf16"
+    assert fp8.kv.num_blocks > bf16.kv.num_blocks
+    step = decode_shape(fp8, 1, 1000)
+    assert fp8_cost.step(step).seconds < 0.7 * bf16_cost.step(step).seconds
+    for engine in ("sglang", "trtllm"):
+        with pytest.raises(Refused, match="fp8 tensor cores"):
+            built(engine, "fp8")
