@@ -26,7 +26,13 @@ from simengine.engines.memory import Deployment
 from simengine.engines.multi_step import MultiStepDelivery
 from simengine.engines.paged import PagedEngine
 from simengine.engines.speculative import Speculation, resolve
-from simengine.engines.vllm_config import VllmParams, vllm_batch_defaults, vllm_capture_sizes, vllm_kv_cache
+from simengine.engines.vllm_config import (
+    VllmParams,
+    fp8_weight_only,
+    vllm_batch_defaults,
+    vllm_capture_sizes,
+    vllm_kv_cache,
+)
 from simengine.errors import InputError
 from simengine.kvcache.manager import NO_HIT, PrefixHit
 
@@ -188,15 +194,13 @@ class VllmEngine(PagedEngine):
             super().on_finished(finished, now)
 
     def update(self, out: SchedulerOutput, now: float):
-        delivery = self.delivery
-        if delivery is None:
-            res = super().update(out, now)
-        else:   # V0 multi-step: the run streams at its end, which comes early when every request of it finished
-            delivery.before(out.scheduled)
-            res = super().update(out, now)
-            if self.multi_step_left and all(r.status is Status.FINISHED for r in self.running):
+        if self.delivery is not None:   # V0 multi-step: the run streams at its end (engines/multi_step.py)
+            self.delivery.before(out.scheduled)
+        res = super().update(out, now)
+        if self.delivery is not None:   # the run ends early when every request of it finished
+            if all(r.status is Status.FINISHED for r in self.running):
                 self.multi_step_left = 0
-            res = delivery.after(res, now, run_over=not self.multi_step_left)
+            res = self.delivery.after(res, now, run_over=not self.multi_step_left)
         self.last_step_end_s = now
         self.last_out = out
         return res
@@ -393,15 +397,3 @@ class VllmEngine(PagedEngine):
         self.kv.take_from_host(host_tokens, disk_tokens)
         self.load_from_host(req, hit.num_tokens, host_tokens, out, disk_tokens)
         return True
-
-
-def fp8_weight_only(dep: Deployment) -> Deployment:
-    """FP8 checkpoints on NVIDIA devices without FP8 tensor cores (here all Ampere, SM 8.x) run as weight-only W8A16
-    through FP8 Marlin: weights stay one byte, GEMMs compute in 16 bit (vLLM docs 'FP8 W8A8': 'FP8 models will run on
-    compute capability >= 7.5 (Turing) as weight-only W8A16, utilizing FP8 Marlin'; vllm-project/vllm PR #5975;
-    MoE layers too, marlin_utils_fp8 per sgl-project/sglang issue #12887)."""
-    fmt, hw = dep.weight_format, dep.hardware
-    if fmt.name != "fp8" or "fp8" in hw.peak_flops or hw.vendor != "nvidia":
-        return dep
-    return dataclasses.replace(dep, weight_format=dataclasses.replace(
-        fmt, fallback_compute="bf16", source=fmt.source + "; weight-only W8A16 through FP8 Marlin (vLLM)"))

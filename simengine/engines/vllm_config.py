@@ -6,6 +6,7 @@ Knob names are the CLI flags with dashes as underscores; defaults and their sour
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -126,3 +127,15 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
         kv.host.spill = host_tier(dep, p.lmcache_max_local_disk_size * GIB, p.block_size,
                                   write_through=False, field="lmcache_max_local_disk_size")
     return kv
+
+
+def fp8_weight_only(dep: Deployment) -> Deployment:
+    """FP8 checkpoints on NVIDIA devices without FP8 tensor cores (here all Ampere, SM 8.x) run as weight-only W8A16
+    through FP8 Marlin: weights stay one byte, GEMMs compute in 16 bit (vLLM docs 'FP8 W8A8': 'FP8 models will run on
+    compute capability >= 7.5 (Turing) as weight-only W8A16, utilizing FP8 Marlin'; vllm-project/vllm PR #5975;
+    MoE layers too, marlin_utils_fp8 per sgl-project/sglang issue #12887)."""
+    fmt, hw = dep.weight_format, dep.hardware
+    if fmt.name != "fp8" or "fp8" in hw.peak_flops or hw.vendor != "nvidia":
+        return dep
+    return dataclasses.replace(dep, weight_format=dataclasses.replace(
+        fmt, fallback_compute="bf16", source=fmt.source + "; weight-only W8A16 through FP8 Marlin (vLLM)"))
