@@ -77,3 +77,9 @@ class StepResult:
     num_accepted: int = 0       # speculative drafts accepted (tokens streamed beside each request's own one)
     # tokens the step computed where the client sees fewer now (a multi-step run streams at its end); None: as streamed
     num_tokens: int | None = None
+
+    def tokens(self) -> int:
+        """Tokens the step computed: `num_tokens` where set, else those it streamed."""
+        if self.num_tokens is not None:
+            return self.num_tokens
+        return self.num_first_tokens + sum(self.itl_groups.values()) + self.num_accepted

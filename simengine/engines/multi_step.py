@@ -32,7 +32,7 @@ class MultiStepDelivery:
 
     def after(self, res: StepResult, now: float, run_over: bool) -> StepResult:
         """The step's result as the client sees it: nothing streamed inside a run, everything at its last step."""
-        res.num_tokens = res.num_first_tokens + sum(res.itl_groups.values()) + res.num_accepted
+        res.num_tokens = res.tokens()
         if not run_over:
             self.finished += res.finished
             res.finished, res.itl_groups = [], {}

@@ -251,11 +251,8 @@ class Replica:
         """A step's batch came back at `now`: apply it to the engine, record the step, report finished requests."""
         engine = self.engine
         res = engine.update(out, now)
-        tokens = res.num_tokens
-        if tokens is None:
-            tokens = res.num_first_tokens + sum(res.itl_groups.values()) + res.num_accepted
         self.recorder.step(self._row(start, now, len(out.scheduled), out.shape, engine.kv_usage(), len(out.preempted),
-                                     c, tokens), now, res.itl_groups)
+                                     c, res.tokens()), now, res.itl_groups)
         if self.check:
             engine.check_invariants()
         for req in res.finished:
