@@ -38,3 +38,14 @@ def test_engine_passes_shared_invariants_and_is_deterministic(name):
                        + sorted((r.request_id, r.fail_reason) for r in failed))
     assert results[0] == results[1]
     assert len(results[0]) == 60
+
+
+def test_engine_modules_stay_readable():
+    """Issue 17's bound: no module under simengine/engines/ over 400 lines (a policy's knobs and memory sizing go in
+    its `_config.py`, shared mechanics in their own modules), and policies stay pure: no SimPy, no wall clock."""
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[2] / "simengine" / "engines"
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 400, f"{path.name} has {len(text.splitlines())} lines"
+        assert "import simpy" not in text and "import time" not in text, f"{path.name} imports SimPy or the clock"
