@@ -177,21 +177,31 @@ def test_step_rows_and_gaps_come_back_in_order_however_chunked(calls, chunk_rows
     back in the order recorded, whatever the chunk size and wherever the chunks are kept."""
     rec = recorder.Recorder(Spill(budget_bytes=budget), chunk_rows=chunk_rows)
     width = len(recorder.STEP_FIELDS)
+    col = {name: recorder.STEP_COLUMNS.index(name) for name in ("start_s", "end_s", "output_tokens", "step_s")}
     rows, gaps = [], []
     for block, k, groups in calls:
-        if block:
-            values = np.arange(len(rows), len(rows) + k, dtype=float)[:, None] + np.zeros((k, width))
-            rec.steps(values, values[:, 0] * 0.5, np.full(k, 7, dtype=np.int64))
-            rows.extend(values[:, 0])
-            gaps.extend((v * 0.5, 7) for v in values[:, 0])
+        if block:   # a run of repeats of one row: their own times, costs and KV usage
+            start = float(len(rows))
+            row = [start] * width
+            row[col["output_tokens"]] = 7
+            ends = start + 0.5 * np.arange(1, k + 1)
+            costs = np.arange(k, dtype=float)[:, None] + np.zeros((k, 6))
+            rec.repeated_steps(tuple(row), start, ends, costs, ends * 0.01)
+            expect = np.array([row] * k)
+            expect[:, col["start_s"]] = np.concatenate(([start], ends[:-1]))
+            expect[:, col["end_s"]] = ends
+            expect[:, col["step_s"]:col["step_s"] + 6] = costs
+            expect[:, recorder.STEP_COLUMNS.index("kv_usage")] = ends * 0.01
+            rows.extend(map(tuple, expect.tolist()))
+            gaps.extend((0.5, 7) for _ in range(k))
         else:
             now = float(len(rows))
             itl = {now - 0.25 * (j + 1): j + 1 for j in range(groups)}
             rec.step(tuple([now] * width), now, itl)
-            rows.append(now)
+            rows.append(tuple([now] * width))
             gaps.extend((now - prev, count) for prev, count in itl.items())
     assert rec.num_steps == len(rows)
-    got = np.concatenate([c["replica"] for c in rec.step_rows()] or [np.empty(0)])
-    assert got.tolist() == rows
+    got = [tuple(r) for c in rec.step_rows() for r in c.tolist()]
+    assert got == rows
     itl = [(float(v), int(t)) for c in rec.itl_rows() for v, t in zip(c["gap_s"], c["tokens"])]
     assert itl == gaps

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.core.batch import BatchShape
+from simengine.cost import step as step_module
 from simengine.cost.measured import MeasuredKernels, data_root, read_table, table_file
 from simengine.cost.roofline import DeviceTerms, RooflineKernels
 from simengine.cost.step import CostModel
@@ -246,6 +247,28 @@ def test_decode_steps_price_each_repeat_as_step_does_bit_for_bit(case, measured,
     rows = c.decode_steps(shape, contexts)
     for ctx, row in zip(contexts.tolist(), rows.tolist()):
         assert tuple(row) == tuple(c.step(dataclasses.replace(shape, decode_context_tokens=ctx)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from([("h100_sxm", "llama-3.1-8b", 1), ("h200_sxm", "mixtral-8x7b", 2),
+                             ("l4", "gemma-2-9b", 1)]),
+       measured=st.booleans(), graph=st.booleans(),
+       runs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 70_000), st.integers(1, 60)), min_size=1,
+                     max_size=12))
+def test_decode_runs_from_tables_are_decode_steps_bit_for_bit(case, measured, graph, runs):
+    """`decode_run` (a shape's rows kept by context, grown as later runs read further, and priced run by run past the
+    table bound or once every table is taken) returns `decode_steps`'s rows for the run's contexts exactly."""
+    timing = EngineTiming(scheduler_cpu_s=2e-4, output_cpu_s=1e-4, overlap=False, kernel_launch_s=5e-6,
+                          seq_cpu_s=2e-6)
+    models = kernel_models(*case, backend="vllm", timing=timing)
+    c = models[-1] if measured else models[0]
+    for num_decode, context, steps in runs:
+        shape = BatchShape(num_decode=num_decode, decode_context_tokens=context, num_logits=num_decode,
+                           padded_decode=num_decode, cuda_graph=graph)
+        contexts = context + num_decode * np.arange(1, steps + 1)
+        assert c.decode_run(shape, num_decode, steps).tolist() == c.decode_steps(shape, contexts).tolist()
+    assert len(c._decode_tables) <= step_module.DECODE_TABLES
+    assert all(len(t) <= step_module.DECODE_TABLE_CONTEXTS for t in c._decode_tables.values())
 
 
 def test_weight_formats_know_their_lm_head_bytes():

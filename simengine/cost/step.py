@@ -90,6 +90,13 @@ class Proposer:
         return total
 
 
+# Repeats of one decode shape (llama.cpp's busy slots, a static batch between finishes) read contexts that later runs
+# of the same shape read again: `decode_run` keeps each shape's `decode_steps` rows for every context below a bound,
+# computed by `decode_steps` itself (elementwise operations: the same floats whatever else the array holds).
+DECODE_TABLE_CONTEXTS = 1 << 16   # contexts one shape's table may cover (3 MiB of rows)
+DECODE_TABLES = 8                 # shapes that get a table; others are priced run by run
+
+
 class CostModel:
     """Step time of one replica: `kernels` for the GPU, `timing` for the engine's launch and host mechanisms, and
     the speculative `proposer` where the engine drafts tokens."""
@@ -103,6 +110,7 @@ class CostModel:
         self.launch_s = timing.kernel_launch_s * timing.kernels_per_layer * self.model.num_layers
         self._tok: list[tuple[float, ...]] = []   # per token count: (gpu, compute, memory, comm, measured)
         self._lm: list[tuple[float, ...]] = []    # per logits count: (gpu, compute, memory, measured)
+        self._decode_tables: dict[tuple, np.ndarray] = {}   # decode shape -> its decode_steps rows by context
 
     def describe(self) -> str:
         return self.kernels.describe()
@@ -190,6 +198,20 @@ class CostModel:
                           t.memory_fraction)
         kernels = LORA_KERNELS_PER_MODULE * TARGET_MODULES * w.model.num_layers
         return s + gpu + kernels * t.kernel_floor_s
+
+    def decode_run(self, shape: BatchShape, growth: int, steps: int) -> np.ndarray:
+        """`decode_steps` of `steps` repeats of `shape`, each reading `growth` more context tokens than the one before
+        (the first `growth` more than `shape`), read from the shape's table where its contexts fit one (a view)."""
+        first = shape.decode_context_tokens + growth
+        last = first + growth * (steps - 1)
+        key = (shape.num_decode, shape.padded_decode, shape.num_logits, shape.cuda_graph, shape.num_structured)
+        table = self._decode_tables.get(key)
+        if table is None or last >= len(table):
+            if last >= DECODE_TABLE_CONTEXTS or (table is None and len(self._decode_tables) >= DECODE_TABLES):
+                return self.decode_steps(shape, first + growth * np.arange(float(steps)))
+            size = 1 << max(last, 1023).bit_length()
+            table = self._decode_tables[key] = self.decode_steps(shape, np.arange(float(size)))
+        return table[first:last + 1:growth]
 
     def decode_steps(self, shape: BatchShape, contexts: np.ndarray) -> np.ndarray:
         """`step` of decode-only copies of `shape` whose decodes read `contexts[i]` tokens in all (the repeats of a

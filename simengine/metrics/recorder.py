@@ -31,6 +31,9 @@ _NUMPY = {"q": "i8", "d": "f8", "b": "i1", "s": "i4"}
 REQUEST_DTYPE = np.dtype([(n, _NUMPY[c]) for n, c in REQUEST_FIELDS])
 STEP_DTYPE = np.dtype([(n, "f8") for n in STEP_COLUMNS])   # integers and flags are exact in a double
 ITL_DTYPE = np.dtype([("gap_s", "f8"), ("tokens", "i8")])
+_START, _END, _WAITING, _KV_USAGE, _OUTPUT_TOKENS = (STEP_COLUMNS.index(c) for c in (
+    "start_s", "end_s", "num_waiting", "kv_usage", "output_tokens"))
+_COSTS = slice(STEP_COLUMNS.index("step_s"), STEP_COLUMNS.index("measured_s") + 1)   # the StepCost fields, in order
 STATUSES = ("completed", "failed", "unfinished")   # codes 0, 1, 2 of the status column
 CHUNK_ROWS = 1 << 16
 
@@ -94,16 +97,26 @@ class Recorder:
         if i + 1 == self.chunk_rows:
             self._flush_steps()
 
-    def steps(self, rows: np.ndarray, itl_values: np.ndarray, itl_counts: np.ndarray) -> None:
-        """Several steps at once: one row of STEP_FIELDS each (float64), one inter-token gap group each (float64
-        values, int64 counts)."""
-        done, n = 0, len(rows)
+    def repeated_steps(self, row: tuple, start: float, ends: np.ndarray, costs: np.ndarray, kv_usage,
+                       num_waiting: np.ndarray | None = None) -> None:
+        """Steps that repeat one step back to back from `start`, written in place: `row` (its STEP_FIELDS) but for
+        each one's start and end (`ends`), StepCost fields (rows of `costs`), KV usage and, if given, queue length;
+        one inter-token gap group each, as long as the step, of the row's `output_tokens` tokens."""
+        done, n = 0, len(ends)
         while done < n:
             i, g = self._num_steps, self._num_gaps
             k = min(n - done, self.chunk_rows - i, len(self._gaps) - g)
-            self._steps[i:i + k] = rows[done:done + k]
-            self._gaps[g:g + k] = itl_values[done:done + k]
-            self._gap_tokens[g:g + k] = itl_counts[done:done + k]
+            rows = self._steps[i:i + k]
+            rows[:] = row
+            rows[0, _START] = ends[done - 1] if done else start
+            rows[1:, _START] = ends[done:done + k - 1]
+            rows[:, _END] = ends[done:done + k]
+            rows[:, _COSTS] = costs[done:done + k]
+            rows[:, _KV_USAGE] = kv_usage[done:done + k]
+            if num_waiting is not None:
+                rows[:, _WAITING] = num_waiting[done:done + k]
+            np.subtract(rows[:, _END], rows[:, _START], out=self._gaps[g:g + k])
+            self._gap_tokens[g:g + k] = rows[0, _OUTPUT_TOKENS]
             self._num_steps, self._num_gaps = i + k, g + k
             done += k
             if i + k == self.chunk_rows or g + k == len(self._gaps):

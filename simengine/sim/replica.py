@@ -11,7 +11,7 @@ from simengine.core.batch import BatchShape, SchedulerOutput
 from simengine.core.request import Request
 from simengine.cost.step import CostModel, StepCost
 from simengine.engines.base import EnginePolicy
-from simengine.metrics.recorder import STEP_FIELDS, Recorder
+from simengine.metrics.recorder import Recorder
 from simengine.sim.links import Link
 
 
@@ -156,12 +156,14 @@ class Replica:
         env, shape, engine = self.env, out.shape, self.engine
         ctx = shape.decode_context_tokens
         growth = engine.context_growth(shape)
-        costs = self.cost.decode_steps(shape, ctx + growth * np.arange(1.0, steps + 1))   # integers, exact as floats
+        costs = self.cost.decode_run(shape, growth, steps)
         seconds = costs[:, 0]
         outlast = not self.watched and engine.repeats_outlast_arrivals
         bulk = steps - 1 if engine.last_repeat_by_update else steps   # the repeats apply_repeats may apply
-        ends = np.cumsum(np.concatenate(([env.now], seconds)))  # ends[j]: repeat j - 1's end; one addition a step,
-        i = 0                                                    # in order, as timeouts add
+        ends = np.empty(steps + 1)   # ends[j]: repeat j - 1's end; one addition a step, in order, as timeouts add
+        ends[0], ends[1:] = env.now, seconds
+        np.add.accumulate(ends, out=ends)
+        i = 0
         while outlast and i < steps:   # no event can read the engine before the repeats end
             k = steps - i
             while k > 1 and env.now + (ends[i + k] - env.now) != ends[i + k]:   # one timeout lands where steps end
@@ -232,18 +234,9 @@ class Replica:
             if self.check:
                 engine.check_invariants()
             return
-        rows = np.empty((k, len(STEP_FIELDS)))  # _complete's row: what all repeats share, then column by column
-        # (times and KV usage filled below; repeats preempt nobody, though `out` may have, and carry no drafts)
-        rows[:] = (self.index, 0.0, 0.0, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(),
-                   engine.num_waiting(), 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, shape.cuda_graph, n, 0)
-        rows[0, 1] = start
-        rows[1:, 1] = ends[:-1]
-        rows[:, 2] = ends
-        if waiting is not None:
-            rows[:, 7] = waiting
-        rows[:, 8] = usages
-        rows[:, 10:16] = costs
-        self.recorder.steps(rows, rows[:, 2] - rows[:, 1], np.full(k, n, dtype=np.int64))
+        # _complete's row: what all repeats share (repeats preempt nobody, though `out` may have, and carry no drafts)
+        row = self._row(start, start, n, shape, 0.0, 0, costs[0].tolist(), n)
+        self.recorder.repeated_steps(row, start, ends, costs, usages, waiting)
         if self.check:
             engine.check_invariants()
 
