@@ -115,7 +115,7 @@ class LlamaCppEngine(EnginePolicy):
         self.clock = 0
         self.query_tokens = self.hit_tokens = 0
         self.num_truncated = 0
-        self.truncated_reason = f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off"
+        self.num_may_truncate = 0   # busy slots whose task could reach n_ctx_slot before its end (update checks them)
 
     @classmethod
     def speculation_of(cls, params: LlamaCppParams, dep: Deployment) -> Speculation | None:
@@ -187,16 +187,22 @@ class LlamaCppEngine(EnginePolicy):
         self.queue.append(req)
         return True
 
+    def _may_truncate(self, req: Request) -> bool:
+        return req.prompt_len + req.output_len > self.n_ctx_slot
+
     def release(self, req: Request) -> None:
         for s in self.slots:
             if s.req is req:
                 s.req, s.cache, s.last_used = None, req.token_ids[:req.num_computed_tokens], self._tick()
                 self.num_busy -= 1
+                self.num_may_truncate -= self._may_truncate(req)
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Shared update, then the context limit: with context shift off a slot stops at n_ctx (STOP_TYPE_LIMIT)."""
         res = super().update(out, now)
-        self.num_truncated += self.stop_at_length(out, res, now, self.n_ctx_slot, self.truncated_reason)
+        if self.num_may_truncate:
+            why = f"truncated: reached n_ctx_slot {self.n_ctx_slot} with context shift off"
+            self.num_truncated += self.stop_at_length(out, res, now, self.n_ctx_slot, why)
         return res
 
     def apply_repeats(self, out: SchedulerOutput, ends: list[float]) -> np.ndarray:
@@ -285,6 +291,7 @@ class LlamaCppEngine(EnginePolicy):
         self.hit_tokens += n_past
         slot.req, slot.cache = req, EMPTY
         self.num_busy += 1
+        self.num_may_truncate += self._may_truncate(req)
         self.mark_scheduled(req, now)
         if self.params.cache_idle_slots and self.ram.limit_tokens:
             for s in self.slots:
@@ -336,6 +343,7 @@ class LlamaCppEngine(EnginePolicy):
                 out.rejected.append(req)
                 s.req, s.cache, s.last_used = None, EMPTY, self._tick()
                 self.num_busy -= 1
+                self.num_may_truncate -= self._may_truncate(req)
 
     def _split(self, entries: list[tuple[Request, int]], need: int) -> list[list[tuple[Request, int]]]:
         """Cut the iteration (`need` tokens) into forwards of n_ubatch tokens; tokens that sample go last (logits
@@ -385,5 +393,6 @@ class LlamaCppEngine(EnginePolicy):
         assert sum(cells) <= self.n_ctx, "cells in use exceed n_ctx"
         assert all(c <= self.n_ctx_slot for c in cells), "a slot holds more than n_ctx_slot cells"
         assert self.num_busy == sum(1 for s in self.slots if s.req is not None) <= self.n_parallel
+        assert self.num_may_truncate == sum(1 for s in self.slots if s.req is not None and self._may_truncate(s.req))
         assert all(n <= self.n_ubatch for piece in self.plan for _, n in piece)
         self.ram.check_invariants()
