@@ -173,8 +173,9 @@ def test_reason_codes_follow_first_appearance_so_a_run_summarises_alike_in_every
 @given(calls=st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3)), max_size=40),
        chunk_rows=st.sampled_from([1, 2, 3, 5, 1 << 16]), budget=st.sampled_from([0, 1 << 30]))
 def test_step_rows_and_gaps_come_back_in_order_however_chunked(calls, chunk_rows, budget):
-    """Single steps (with 0-3 gap groups) and runs of steps (one group each) interleaved: the rows and the gaps come
-    back in the order recorded, whatever the chunk size and wherever the chunks are kept."""
+    """Single steps (with 0-3 gap groups) and runs of repeated steps (one group each, their queue lengths given or
+    not) interleaved: the rows and the gaps come back in the order recorded and as recorded, whatever the chunk size
+    and wherever the chunks are kept (runs stay runs in memory until read, and are written out when spilled)."""
     rec = recorder.Recorder(Spill(budget_bytes=budget), chunk_rows=chunk_rows)
     width = len(recorder.STEP_FIELDS)
     col = {name: recorder.STEP_COLUMNS.index(name) for name in ("start_s", "end_s", "output_tokens", "step_s")}
@@ -186,8 +187,11 @@ def test_step_rows_and_gaps_come_back_in_order_however_chunked(calls, chunk_rows
             row[col["output_tokens"]] = 7
             ends = start + 0.5 * np.arange(1, k + 1)
             costs = np.arange(k, dtype=float)[:, None] + np.zeros((k, 6))
-            rec.repeated_steps(tuple(row), start, ends, costs, ends * 0.01)
+            waiting = np.arange(k) + 3.0 if groups % 2 else None   # queue lengths where arrivals came meanwhile
+            rec.repeated_steps(tuple(row), start, ends, costs, ends * 0.01, waiting)
             expect = np.array([row] * k)
+            if waiting is not None:
+                expect[:, recorder.STEP_COLUMNS.index("num_waiting")] = waiting
             expect[:, col["start_s"]] = np.concatenate(([start], ends[:-1]))
             expect[:, col["end_s"]] = ends
             expect[:, col["step_s"]:col["step_s"] + 6] = costs

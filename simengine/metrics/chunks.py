@@ -4,7 +4,7 @@ temporary folder, so the rows of a run of any length need at most the budget in 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -38,13 +38,23 @@ class Spill:
             self._dir = None
 
 
+class _Made:
+    """A chunk written out when read (Chunks.append_made)."""
+
+    __slots__ = ("make", "rows")
+
+    def __init__(self, make: Callable[[], np.ndarray], rows: int):
+        self.make, self.rows = make, rows
+
+
 class Chunks:
     """Arrays of one dtype appended in chunks; read back chunk by chunk, or a slice of one chunk."""
 
     def __init__(self, name: str, dtype: np.dtype, spill: Spill):
         self.name, self.dtype, self.spill = name, np.dtype(dtype), spill
         self.rows = 0
-        self._parts: list[np.ndarray | tuple[int, int]] = []   # an array in memory, or (first row, rows) on disk
+        # an array in memory, one written out when read, or (first row, rows) on disk
+        self._parts: list[np.ndarray | _Made | tuple[int, int]] = []
         self._file_rows = 0
 
     def append(self, rows: np.ndarray) -> None:
@@ -61,16 +71,32 @@ class Chunks:
         self._parts.append((self._file_rows, len(rows)))
         self._file_rows += len(rows)
 
+    def append_made(self, make: Callable[[], np.ndarray], rows: int, nbytes: int) -> None:
+        """A chunk of `rows` rows that `make()` writes out when read, holding `nbytes` until then: kept so within the
+        budget, else written out now and kept as any chunk."""
+        if not rows:
+            return
+        if self.spill.held_bytes + nbytes <= self.spill.budget_bytes:
+            self.spill.held_bytes += nbytes
+            self.rows += rows
+            self._parts.append(_Made(make, rows))
+            return
+        self.append(make())
+
     def __len__(self) -> int:
         return len(self._parts)
 
     def chunk_rows(self, i: int) -> int:
         part = self._parts[i]
+        if isinstance(part, _Made):
+            return part.rows
         return part[1] if isinstance(part, tuple) else len(part)
 
     def read(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start:stop of chunk i."""
         part = self._parts[i]
+        if isinstance(part, _Made):
+            return part.make()[start:stop]
         if not isinstance(part, tuple):
             return part[start:stop]
         first, n = part

@@ -79,6 +79,8 @@ class Recorder:
         self._gaps = np.empty(2 * self.chunk_rows)   # usually one group a step; a flush makes room for more
         self._gap_tokens = np.empty(2 * self.chunk_rows, dtype=np.int64)
         self._num_gaps = 0
+        self._runs: list[tuple] = []   # repeated_steps since the last flush
+        self._run_rows = 0
 
     def step(self, row: tuple, now: float, itl_groups: dict[float, int]) -> None:
         """`row` holds the STEP_FIELDS in order (integers and flags are exact in a double)."""
@@ -99,28 +101,14 @@ class Recorder:
 
     def repeated_steps(self, row: tuple, start: float, ends: np.ndarray, costs: np.ndarray, kv_usage,
                        num_waiting: np.ndarray | None = None) -> None:
-        """Steps that repeat one step back to back from `start`, written in place: `row` (its STEP_FIELDS) but for
-        each one's start and end (`ends`), StepCost fields (rows of `costs`), KV usage and, if given, queue length;
-        one inter-token gap group each, as long as the step, of the row's `output_tokens` tokens."""
-        done, n = 0, len(ends)
-        while done < n:
-            i, g = self._num_steps, self._num_gaps
-            k = min(n - done, self.chunk_rows - i, len(self._gaps) - g)
-            rows = self._steps[i:i + k]
-            rows[:] = row
-            rows[0, _START] = ends[done - 1] if done else start
-            rows[1:, _START] = ends[done:done + k - 1]
-            rows[:, _END] = ends[done:done + k]
-            rows[:, _COSTS] = costs[done:done + k]
-            rows[:, _KV_USAGE] = kv_usage[done:done + k]
-            if num_waiting is not None:
-                rows[:, _WAITING] = num_waiting[done:done + k]
-            np.subtract(rows[:, _END], rows[:, _START], out=self._gaps[g:g + k])
-            self._gap_tokens[g:g + k] = rows[0, _OUTPUT_TOKENS]
-            self._num_steps, self._num_gaps = i + k, g + k
-            done += k
-            if i + k == self.chunk_rows or g + k == len(self._gaps):
-                self._flush_steps()
+        """Steps that repeat one step back to back from `start`: `row` (its STEP_FIELDS) but for each one's start
+        and end (`ends`), StepCost fields (rows of `costs`), KV usage and, if given, queue length; one inter-token gap
+        group each, as long as the step, of the row's `output_tokens` tokens. Kept as a run (the arrays by reference:
+        the caller never changes them) and written out as rows when its chunk is read (`RunBlock`)."""
+        self._runs.append((self._num_steps, self._num_gaps, row, start, ends, costs, kv_usage, num_waiting))
+        self._run_rows += len(ends)
+        if self._run_rows >= self.chunk_rows:
+            self._flush_steps()
 
     def _code(self, s: str) -> int:
         code = self._codes.get(s)
@@ -145,6 +133,13 @@ class Recorder:
 
     def _flush_steps(self) -> None:
         n, g = self._num_steps, self._num_gaps
+        if self._runs:   # the chunk keeps its runs as runs; the buffers are used again
+            made = RunBlock(self._steps[:n].copy(), self._gaps[:g].copy(), self._gap_tokens[:g].copy(), self._runs)
+            self._num_steps = self._num_gaps = self._run_rows = 0
+            self._runs = []
+            self.step_chunks.append_made(made.steps, made.num_rows, made.nbytes)
+            self.itl_chunks.append_made(made.gaps, made.num_gaps, 0)
+            return
         if not n and not g:
             return
         steps, gaps, tokens = self._steps, self._gaps, self._gap_tokens
@@ -194,8 +189,70 @@ class Recorder:
 
     @property
     def num_steps(self) -> int:
-        return self.step_chunks.rows + self._num_steps
+        return self.step_chunks.rows + self._num_steps + self._run_rows
 
     @property
     def num_requests(self) -> int:
         return self.request_chunks.rows + len(self._request_rows)
+
+
+class RunBlock:
+    """A chunk of step rows and inter-token gaps whose runs of repeated steps (`Recorder.repeated_steps`) stay runs
+    until read: a run keeps a few floats a step (its times, KV usage, queue; its costs often a view of the cost
+    model's table) where rows take 168 bytes a step, memory a run of an overloaded engine with a few slots fills by
+    the hundred megabytes. `steps()` and `gaps()` write the chunk out in the order recorded, each repeat's row and gap
+    exactly as a row written at the time would be."""
+
+    def __init__(self, singles: np.ndarray, gaps: np.ndarray, gap_tokens: np.ndarray, runs: list[tuple]):
+        self.singles, self.single_gaps, self.single_gap_tokens, self.runs = singles, gaps, gap_tokens, runs
+        self.lengths = np.array([len(r[4]) for r in runs])
+        repeats = int(self.lengths.sum())
+        self.num_rows, self.num_gaps = len(singles) + repeats, len(gaps) + repeats
+        self.nbytes = singles.nbytes + gaps.nbytes + gap_tokens.nbytes + 40 * repeats
+
+    def _times(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every repeat's start and end."""
+        runs, k = self.runs, self.lengths
+        ends = np.concatenate([r[4] for r in runs])
+        starts = np.empty(len(ends))
+        starts[1:] = ends[:-1]
+        starts[np.cumsum(k) - k] = [r[3] for r in runs]
+        return starts, ends
+
+    def _placed(self, before: list[int]) -> np.ndarray:
+        """Where each repeat lands among the chunk's entries, run r's after its `before[r]` single entries."""
+        return np.arange(int(self.lengths.sum())) + np.repeat(before, self.lengths)
+
+    def steps(self) -> np.ndarray:
+        """The chunk's step rows: each single row, and each repeat's: its run's row with its own start, end, costs,
+        KV usage and queue."""
+        runs, k, n = self.runs, self.lengths, len(self.singles)
+        at = self._placed([r[0] for r in runs])
+        source = np.empty(self.num_rows, dtype=np.int64)   # each row's source: a single row, or its run's row
+        single = np.ones(self.num_rows, dtype=bool)
+        single[at] = False
+        source[single] = np.arange(n)
+        source[at] = np.repeat(np.arange(n, n + len(runs)), k)
+        out = np.concatenate((self.singles, np.array([r[2] for r in runs], dtype=float)))[source]
+        out[at, _START], out[at, _END] = self._times()
+        out[at, _COSTS] = np.concatenate([r[5] for r in runs])
+        out[at, _KV_USAGE] = np.concatenate([np.asarray(r[6], dtype=float) for r in runs])
+        for r, first, m in zip(runs, (np.cumsum(k) - k).tolist(), k.tolist(), strict=True):
+            if r[7] is not None:
+                out[at[first:first + m], _WAITING] = r[7]
+        return out.view(STEP_DTYPE).reshape(len(out))
+
+    def gaps(self) -> np.ndarray:
+        """The chunk's inter-token gap groups: each single step's, and one a repeat, as long as it, of its run's
+        row's `output_tokens` tokens."""
+        at = self._placed([r[1] for r in self.runs])
+        single = np.ones(self.num_gaps, dtype=bool)
+        single[at] = False
+        starts, ends = self._times()
+        out = np.empty(self.num_gaps, dtype=ITL_DTYPE)
+        out["gap_s"][single], out["gap_s"][at] = self.single_gaps, ends - starts
+        out["tokens"][single] = self.single_gap_tokens
+        out["tokens"][at] = np.repeat(np.array([r[2][_OUTPUT_TOKENS] for r in self.runs], dtype=np.int64),
+                                      self.lengths)
+        return out
+
