@@ -206,38 +206,40 @@ class RunBlock:
     def __init__(self, singles: np.ndarray, gaps: np.ndarray, gap_tokens: np.ndarray, runs: list[tuple]):
         self.singles, self.single_gaps, self.single_gap_tokens, self.runs = singles, gaps, gap_tokens, runs
         self.lengths = np.array([len(r[4]) for r in runs])
+        self.firsts = np.cumsum(self.lengths) - self.lengths   # each run's first repeat among all repeats
         repeats = int(self.lengths.sum())
         self.num_rows, self.num_gaps = len(singles) + repeats, len(gaps) + repeats
         self.nbytes = singles.nbytes + gaps.nbytes + gap_tokens.nbytes + 40 * repeats
 
     def _times(self) -> tuple[np.ndarray, np.ndarray]:
         """Every repeat's start and end."""
-        runs, k = self.runs, self.lengths
-        ends = np.concatenate([r[4] for r in runs])
+        ends = np.concatenate([r[4] for r in self.runs])
         starts = np.empty(len(ends))
         starts[1:] = ends[:-1]
-        starts[np.cumsum(k) - k] = [r[3] for r in runs]
+        starts[self.firsts] = [r[3] for r in self.runs]
         return starts, ends
 
-    def _placed(self, before: list[int]) -> np.ndarray:
-        """Where each repeat lands among the chunk's entries, run r's after its `before[r]` single entries."""
-        return np.arange(int(self.lengths.sum())) + np.repeat(before, self.lengths)
+    def _placed(self, before: list[int], total: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where each repeat lands among the chunk's `total` entries, run r's after its `before[r]` single entries,
+        and which entries are single ones."""
+        at = np.arange(int(self.lengths.sum())) + np.repeat(before, self.lengths)
+        single = np.ones(total, dtype=bool)
+        single[at] = False
+        return at, single
 
     def steps(self) -> np.ndarray:
         """The chunk's step rows: each single row, and each repeat's: its run's row with its own start, end, costs,
         KV usage and queue."""
         runs, k, n = self.runs, self.lengths, len(self.singles)
-        at = self._placed([r[0] for r in runs])
+        at, single = self._placed([r[0] for r in runs], self.num_rows)
         source = np.empty(self.num_rows, dtype=np.int64)   # each row's source: a single row, or its run's row
-        single = np.ones(self.num_rows, dtype=bool)
-        single[at] = False
         source[single] = np.arange(n)
         source[at] = np.repeat(np.arange(n, n + len(runs)), k)
         out = np.concatenate((self.singles, np.array([r[2] for r in runs], dtype=float)))[source]
         out[at, _START], out[at, _END] = self._times()
         out[at, _COSTS] = np.concatenate([r[5] for r in runs])
         out[at, _KV_USAGE] = np.concatenate([np.asarray(r[6], dtype=float) for r in runs])
-        for r, first, m in zip(runs, (np.cumsum(k) - k).tolist(), k.tolist(), strict=True):
+        for r, first, m in zip(runs, self.firsts.tolist(), k.tolist(), strict=True):
             if r[7] is not None:
                 out[at[first:first + m], _WAITING] = r[7]
         return out.view(STEP_DTYPE).reshape(len(out))
@@ -245,9 +247,7 @@ class RunBlock:
     def gaps(self) -> np.ndarray:
         """The chunk's inter-token gap groups: each single step's, and one a repeat, as long as it, of its run's
         row's `output_tokens` tokens."""
-        at = self._placed([r[1] for r in self.runs])
-        single = np.ones(self.num_gaps, dtype=bool)
-        single[at] = False
+        at, single = self._placed([r[1] for r in self.runs], self.num_gaps)
         starts, ends = self._times()
         out = np.empty(self.num_gaps, dtype=ITL_DTYPE)
         out["gap_s"][single], out["gap_s"][at] = self.single_gaps, ends - starts
