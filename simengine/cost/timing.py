@@ -28,7 +28,7 @@ TORCH_COMPILE_DECODE_FACTOR = 6.42 / 7.37
 class EngineTiming:
     """Named per-engine overhead terms. Each engine module sets them, with sources, from its mechanism."""
 
-    scheduler_cpu_s: float            # host time to schedule and prepare one step's inputs
+    scheduler_cpu_s: float            # host time of one scheduling pass (schedule, prepare the inputs)
     output_cpu_s: float               # host time to process one step's outputs (stop checks, streaming hand-off)
     overlap: bool                     # host work of step n+1 runs while the GPU runs step n
     kernel_launch_s: float = 4e-6     # one CUDA kernel launch from Python/C++ (ESTIMATE: 2.5-5 us per launch,
@@ -46,6 +46,9 @@ class EngineTiming:
     compiled_max_bs: int = 0          # decode steps replayed from a graph with at most this many sequences run a
                                       # torch.compile'd model (0: none)
     compiled_gpu_factor: float = TORCH_COMPILE_DECODE_FACTOR   # their GPU time over the uncompiled graph's
+    steps_per_schedule: int = 1       # steps one scheduling pass serves (vLLM V0's --num-scheduler-steps): each
+                                      # step bears scheduler_cpu_s / steps_per_schedule, so a fitted or measured
+                                      # pass keeps its meaning whatever the run length
 
     def gpu_factor(self, num_decode: int, pure_decode: bool, cuda_graph: bool) -> float:
         """What the step's GPU time is multiplied by: `compiled_gpu_factor` for a compiled decode step, else 1."""
@@ -65,10 +68,14 @@ class EngineTiming:
             return (True, sizes[i]) if i < len(sizes) else (False, num_decode)
         return (num_decode in _as_set(sizes)), num_decode
 
+    def step_cpu_s(self) -> float:
+        """Host time of one step before its per-sequence work: its share of a scheduling pass, and its outputs."""
+        return self.scheduler_cpu_s / self.steps_per_schedule + self.output_cpu_s
+
     def exposed_host_s(self, gpu_s: float, extra_cpu_s: float = 0.0) -> float:
         """Host time added to the step: all of it for a synchronous loop, only the excess when overlapped.
         `extra_cpu_s` is per-step host work such as grammar masks (overlapped with the forward the same way)."""
-        cpu = self.scheduler_cpu_s + self.output_cpu_s + extra_cpu_s
+        cpu = self.step_cpu_s() + extra_cpu_s
         if not self.overlap:
             return cpu
         excess = cpu - gpu_s

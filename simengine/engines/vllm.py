@@ -124,7 +124,8 @@ class VllmEngine(PagedEngine):
             # ESTIMATE: V1 EngineCore schedule + input prep ~1 ms and output processing ~0.5 ms per step at
             # moderate batch (vLLM V1 blog, Jan 2025: CPU overheads hidden by async scheduling/busy loop); a
             # multi-step run schedules once for all its steps.
-            scheduler_cpu_s=1.0e-3 / p.num_scheduler_steps, output_cpu_s=0.5e-3, overlap=p.async_scheduling,
+            scheduler_cpu_s=1.0e-3, steps_per_schedule=p.num_scheduler_steps, output_cpu_s=0.5e-3,
+            overlap=p.async_scheduling,
             seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             cuda_graph_sizes=() if p.enforce_eager else vllm_capture_sizes(self.max_num_seqs,
                                                                            self.max_num_batched_tokens),

@@ -14,7 +14,8 @@ ENGINE_HEADER = """\
 # engines.<registry name>.terms: EngineTiming fields (scheduler_cpu_s, output_cpu_s, seq_cpu_s, kernel_launch_s,
 # graph_replay_s, frontend_s) that replace the engine module's priors; the other keys are provenance: step-time rows
 # used, median |error| on them, source, date (frontend_s comes from the engine's open-loop TTFT rows). An engine
-# without an entry runs on its priors.
+# without an entry runs on its priors. scheduler_cpu_s is one scheduling pass: a vLLM V0 multi-step run
+# (--num-scheduler-steps k) shares it among its k steps (EngineTiming.steps_per_schedule).
 """
 
 

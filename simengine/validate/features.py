@@ -39,6 +39,7 @@ class StepFeatures:
     grammar_mask_s: float = 0.0
     roofline_share: float = 0.0  # share of the steps' GPU time priced by the roofline (not measured kernels)
     stages: int = 1              # pipeline micro-batches in flight: a step adds its first stage's time to the run
+    steps_per_schedule: int = 1  # steps one scheduling pass serves (EngineTiming.steps_per_schedule)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -69,7 +70,8 @@ def step_features(cost: CostModel, shapes: list[BatchShape], stages: int = 1) ->
                 "" if w.engine_attention_flops_s else w.attn_dtype), terms=k.terms,
         engine={name: float(getattr(t, name)) for name in ENGINE_FIELDS},
         launches=float(t.kernels_per_layer * w.model.num_layers), overlap=t.overlap,
-        grammar_mask_s=cost.grammar_mask_s, roofline_share=share, stages=stages)
+        grammar_mask_s=cost.grammar_mask_s, roofline_share=share, stages=stages,
+        steps_per_schedule=t.steps_per_schedule)
 
 
 def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.ndarray:
@@ -78,18 +80,23 @@ def reprice(sf: StepFeatures, device=None, engine: dict | None = None) -> np.nda
     gpu = price(sf.f, device if device is not None else sf.terms)[0] * sf.gpu_factor
     e = {**(sf.engine or {}), **(engine or {})}
     timing = SimpleNamespace(graph_replay_s=e["graph_replay_s"],
-                             exposed_host_s=lambda total, extra: exposed(total, extra, e, sf.overlap))
+                             exposed_host_s=lambda total, extra: exposed(total, extra, e, sf))
     host = e["seq_cpu_s"] * sf.seqs + sf.structured * sf.grammar_mask_s
     seconds = step_seconds(gpu, sf.graph, host, timing, e["kernel_launch_s"] * sf.launches,  # type: ignore[arg-type]
                            np.maximum)   # an EngineTiming's two members the pricing reads
     if np.all(sf.stages == 1):
         return seconds
-    staged = pipeline_stage(seconds, e["scheduler_cpu_s"] + e["output_cpu_s"] + host, sf.stages, sf.overlap, np.maximum)
+    staged = pipeline_stage(seconds, step_cpu(e, sf) + host, sf.stages, sf.overlap, np.maximum)
     return np.where(sf.stages > 1, staged, seconds)
 
 
-def exposed(total, extra, e: dict, overlap):
-    """EngineTiming.exposed_host_s with per-step terms (`overlap` a bool or a bool array)."""
-    cpu = e["scheduler_cpu_s"] + e["output_cpu_s"] + extra
+def step_cpu(e: dict, sf: StepFeatures):
+    """EngineTiming.step_cpu_s with trial terms `e`."""
+    return e["scheduler_cpu_s"] / sf.steps_per_schedule + e["output_cpu_s"]
+
+
+def exposed(total, extra, e: dict, sf: StepFeatures):
+    """EngineTiming.exposed_host_s with trial terms `e` (`sf.overlap` a bool or a bool array)."""
+    cpu = step_cpu(e, sf) + extra
     excess = cpu - total
-    return overlap * (excess * (excess > 0.0)) + (1 - overlap) * cpu
+    return sf.overlap * (excess * (excess > 0.0)) + (1 - sf.overlap) * cpu

@@ -66,8 +66,8 @@ class FitData:
         self.hw_groups = sorted(set(hw_group.values()))
         self.engines = sorted(set(p.engine for p in preds))
         cols: dict[str, list] = {k: [] for k in (*FEATURES, "seqs", "structured", "graph", "gpu_factor", "w", "seg",
-                                                 "launches", "stages", "overlap", "grammar", "hwg", "eng",
-                                                 *GEMM_FIELDS)}
+                                                 "launches", "stages", "steps_per_schedule", "overlap", "grammar",
+                                                 "hwg", "eng", *GEMM_FIELDS)}
         base_dev: dict[str, list] = {k: [] for k in TERM_NAMES}
         base_eng: dict[str, list] = {k: [] for k in ENGINE_FIELDS}
         numer: list[float] = []
@@ -89,6 +89,7 @@ class FitData:
                              ("gpu_factor", sf.gpu_factor), ("w", w),
                              ("seg", np.full(n, seg)), ("launches", np.full(n, sf.launches)),
                              ("stages", np.full(n, sf.stages)),
+                             ("steps_per_schedule", np.full(n, sf.steps_per_schedule)),
                              ("overlap", np.full(n, sf.overlap)), ("grammar", np.full(n, sf.grammar_mask_s)),
                              ("hwg", np.full(n, self.hw_groups.index(hw_group[sf.device])
                                              if sf.device in hw_group else -1)),
@@ -115,7 +116,7 @@ class FitData:
                                      structured=self.cols["structured"], graph=self.cols["graph"],
                                      gpu_factor=self.cols["gpu_factor"],
                                      grammar_mask_s=self.cols["grammar"], launches=self.cols["launches"],
-                                     stages=self.cols["stages"],
+                                     stages=self.cols["stages"], steps_per_schedule=self.cols["steps_per_schedule"],
                                      overlap=self.cols["overlap"], terms=None, engine=None)
 
     def predict(self, params: list[Param], values: np.ndarray) -> np.ndarray:

@@ -246,8 +246,20 @@ def test_multi_step_runs_admit_nobody_until_they_end():
         assert [r.request_id for r, _ in out.scheduled] == [first.request_id]
     out, _ = run_step(eng, 0.05)                    # the run is over: admitted
     assert late.request_id in {r.request_id for r, _ in out.scheduled}
-    plain = VllmEngine(VllmParams(), make_dep())
-    assert plain.timing.scheduler_cpu_s == pytest.approx(4 * eng.timing.scheduler_cpu_s)   # one schedule per run
+    plain = VllmEngine(VllmParams(), make_dep())   # one scheduling pass a run: each of its steps bears a quarter
+    assert eng.timing.scheduler_cpu_s == plain.timing.scheduler_cpu_s
+    assert plain.timing.step_cpu_s() - eng.timing.step_cpu_s() == pytest.approx(0.75 * plain.timing.scheduler_cpu_s)
+
+
+def test_a_calibrated_scheduling_pass_is_shared_by_the_steps_of_a_run():
+    """calibration.yaml's vLLM scheduler_cpu_s is one scheduling pass (fitted on rows that ran 10 steps a pass):
+    a single-step engine bears it every step, a run of k steps 1/k of it a step."""
+    from simengine.sim.build import cost_model
+
+    one, ten = (cost_model(VllmEngine(VllmParams(num_scheduler_steps=k), make_dep())).timing for k in (1, 10))
+    assert one.scheduler_cpu_s == ten.scheduler_cpu_s > 0
+    assert ten.step_cpu_s() == pytest.approx(one.scheduler_cpu_s / 10 + one.output_cpu_s)
+    assert one.step_cpu_s() == pytest.approx(one.scheduler_cpu_s + one.output_cpu_s)
 
 
 def test_multi_step_runs_stream_their_tokens_at_their_end():

@@ -19,6 +19,7 @@ TIMINGS = {
     "sync_eager": EngineTiming(scheduler_cpu_s=1e-3, output_cpu_s=5e-4, overlap=False),
     "overlap_graphs": EngineTiming(scheduler_cpu_s=3e-3, output_cpu_s=1e-3, overlap=True,
                                    cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128)),
+    "multi_step": EngineTiming(scheduler_cpu_s=2e-3, output_cpu_s=5e-4, overlap=False, steps_per_schedule=10),
     "compiled_graphs": EngineTiming(scheduler_cpu_s=1e-3, output_cpu_s=5e-4, overlap=False,
                                     cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64, 128), compiled_max_bs=32),
 }
