@@ -174,7 +174,7 @@ class CostModel:
     def stage_seconds(self, shape: BatchShape, seconds: float, stages: int) -> float:
         """One pipeline rank's seconds per micro-batch for a step of `seconds` (`pipeline_stage`)."""
         t = self.timing
-        cpu = (t.step_cpu_s() + t.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
+        cpu = (t.step_cpu_s + t.seq_cpu_s * (shape.num_decode + len(shape.prefill_chunks))
                + shape.num_structured * self.grammar_mask_s)
         return pipeline_stage(seconds, cpu, stages, t.overlap)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Priors of host time per sequence in a step (sampling bookkeeping, stop checks, incremental detokenisation, handing the
 # token to the frontend). ESTIMATE for Python engine loops: vLLM RFC #6854 measured 4-13 ms of GPU idle per V0 decode
@@ -49,6 +49,11 @@ class EngineTiming:
     steps_per_schedule: int = 1       # steps one scheduling pass serves (vLLM V0's --num-scheduler-steps): each
                                       # step bears scheduler_cpu_s / steps_per_schedule, so a fitted or measured
                                       # pass keeps its meaning whatever the run length
+    step_cpu_s: float = field(init=False)   # host time of one step before its per-sequence work: its share of a
+                                            # scheduling pass, and its outputs (derived)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step_cpu_s", self.scheduler_cpu_s / self.steps_per_schedule + self.output_cpu_s)
 
     def gpu_factor(self, num_decode: int, pure_decode: bool, cuda_graph: bool) -> float:
         """What the step's GPU time is multiplied by: `compiled_gpu_factor` for a compiled decode step, else 1."""
@@ -68,14 +73,10 @@ class EngineTiming:
             return (True, sizes[i]) if i < len(sizes) else (False, num_decode)
         return (num_decode in _as_set(sizes)), num_decode
 
-    def step_cpu_s(self) -> float:
-        """Host time of one step before its per-sequence work: its share of a scheduling pass, and its outputs."""
-        return self.scheduler_cpu_s / self.steps_per_schedule + self.output_cpu_s
-
     def exposed_host_s(self, gpu_s: float, extra_cpu_s: float = 0.0) -> float:
         """Host time added to the step: all of it for a synchronous loop, only the excess when overlapped.
         `extra_cpu_s` is per-step host work such as grammar masks (overlapped with the forward the same way)."""
-        cpu = self.step_cpu_s() + extra_cpu_s
+        cpu = self.step_cpu_s + extra_cpu_s
         if not self.overlap:
             return cpu
         excess = cpu - gpu_s

@@ -248,7 +248,7 @@ def test_multi_step_runs_admit_nobody_until_they_end():
     assert late.request_id in {r.request_id for r, _ in out.scheduled}
     plain = VllmEngine(VllmParams(), make_dep())   # one scheduling pass a run: each of its steps bears a quarter
     assert eng.timing.scheduler_cpu_s == plain.timing.scheduler_cpu_s
-    assert plain.timing.step_cpu_s() - eng.timing.step_cpu_s() == pytest.approx(0.75 * plain.timing.scheduler_cpu_s)
+    assert plain.timing.step_cpu_s - eng.timing.step_cpu_s == pytest.approx(0.75 * plain.timing.scheduler_cpu_s)
 
 
 def test_a_calibrated_scheduling_pass_is_shared_by_the_steps_of_a_run():
@@ -258,8 +258,8 @@ def test_a_calibrated_scheduling_pass_is_shared_by_the_steps_of_a_run():
 
     one, ten = (cost_model(VllmEngine(VllmParams(num_scheduler_steps=k), make_dep())).timing for k in (1, 10))
     assert one.scheduler_cpu_s == ten.scheduler_cpu_s > 0
-    assert ten.step_cpu_s() == pytest.approx(one.scheduler_cpu_s / 10 + one.output_cpu_s)
-    assert one.step_cpu_s() == pytest.approx(one.scheduler_cpu_s + one.output_cpu_s)
+    assert ten.step_cpu_s == pytest.approx(one.scheduler_cpu_s / 10 + one.output_cpu_s)
+    assert one.step_cpu_s == pytest.approx(one.scheduler_cpu_s + one.output_cpu_s)
 
 
 def test_multi_step_runs_stream_their_tokens_at_their_end():
