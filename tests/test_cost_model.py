@@ -12,7 +12,7 @@ from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.core.batch import BatchShape
 from simengine.cost import step as step_module
 from simengine.cost.measured import MeasuredKernels, data_root, read_table, table_file
-from simengine.cost.roofline import DeviceTerms, RooflineKernels
+from simengine.cost.roofline import DeviceTerms, RooflineKernels, price
 from simengine.cost.step import CostModel
 from simengine.cost.timing import EngineTiming
 from simengine.cost.work import StepWork
@@ -164,6 +164,35 @@ def test_sustained_fraction_slows_compute_bound_work_only(measured):
     assert pre2.compute_s == pytest.approx(pre1.compute_s / 0.8, rel=1e-9)
     assert pre2.memory_s == pytest.approx(pre1.memory_s, rel=1e-12)
     assert dec1.compute_s == 0.0 and dec2.seconds == pytest.approx(dec1.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_decode_kv_rereads_add_a_pass_over_the_cache_at_the_memory_fraction(measured):
+    """A decode kernel that reads each KV head's cache twice a step (StepWork.decode_kv_reads: TurboMind before 0.3
+    on a group of 8) pays one more pass over the decodes' KV at the device's memory fraction, in the step and in
+    the features calibration re-prices alike; the tables, which time a kernel reading it once, keep their time."""
+    if measured and data_root() is None:
+        pytest.skip("aiconfigurator-core is not installed")
+    dep = make_dep("h100_sxm", "llama-3.1-8b")
+
+    def kernels(reads):
+        w = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=dep.kv_elem_bytes,
+                     decode_kv_reads=reads)
+        t = DeviceTerms.of(w, dep.hardware, custom_allreduce=True)
+        return (MeasuredKernels(w, t, system="h100_sxm", backend="vllm", custom_allreduce=True) if measured
+                else RooflineKernels(w, t))
+
+    once, twice = kernels(1.0), kernels(2.0)
+    n, ctx = 32, 32 * 2000.0
+    one_pass_s = once.work.decode_attention(n, ctx)[1] / once.bandwidth / once.terms.memory_fraction
+    assert twice.work.decode_attention(n, ctx)[1] == 2 * once.work.decode_attention(n, ctx)[1]
+    assert twice.decode(n, ctx)[0] == pytest.approx(once.decode(n, ctx)[0] + one_pass_s, rel=1e-12)
+    assert twice.decode(n, ctx)[3] == once.decode(n, ctx)[3]      # the measured share is the tables' own
+    for k in (once, twice):
+        f = k.attention_features([[]], np.array([float(n)]), np.array([ctx]))
+        assert price(f, k.terms)[0][0] == pytest.approx(k.decode(n, ctx)[0], rel=1e-12)
+    prefill = [(512, 0)]
+    assert twice.prefill(prefill) == once.prefill(prefill)
 
 
 @needs_tables

@@ -618,8 +618,14 @@ class MeasuredKernels(RooflineKernels):
                 sec[num_decode == b] = s
             f["meas_m"] = f["meas_m"] + sec
             f["floors"] = f["floors"] - self.work.model.num_layers * (num_decode > 0)
-            f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], 0.0 * f["dec_m"]
+            f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], self._rereads_m(f["dec_m"])
         return f
+
+    def _rereads_m(self, dec_m):
+        """Memory seconds at fraction 1 of the decode KV reads beyond the first (StepWork.decode_kv_reads), which
+        the tables' kernels, reading each KV head once, do not time: the roofline's bytes of them."""
+        reads = self.work.decode_kv_reads
+        return dec_m * ((reads - 1.0) / reads)
 
     def _prefill_s(self, chunks: list[tuple[int, int]]) -> float:
         """Seconds of the prefill chunks' attention over all layers: the tables' burst time at the device's
@@ -666,4 +672,7 @@ class MeasuredKernels(RooflineKernels):
         if self.decode_grid is None:
             return super().decode(num_decode, context_tokens, maximum)
         sec = self._decode_s(num_decode, context_tokens)
+        if self.work.decode_kv_reads != 1.0:   # the re-reads the tables do not time, at the device's memory fraction
+            extra = self._rereads_m(self._decode_work(num_decode, context_tokens)[1]) / self.terms.memory_fraction
+            return sec + extra, 0.0, sec + extra, sec
         return sec, 0.0, sec, sec   # memory-bound: no compute part (a float broadcasts over the repeats' arrays)

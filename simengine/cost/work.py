@@ -64,7 +64,7 @@ class StepWork:
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
                  engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
-                 expert_tile_columns: int | None = None):
+                 expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0):
         m = self.model = model
         # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
         # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
@@ -75,6 +75,9 @@ class StepWork:
         # (EnginePolicy.expert_tile_columns: llama.cpp's MMQ); None or a model without experts: no padding
         self.expert_tile_columns = expert_tile_columns if (m.is_moe and tp == 1 and not expert_parallel) else None
         self._expert_padding: dict[int, float] = {}
+        # times the engine's decode attention kernel reads each KV head's cache from memory in a step: 1 where a
+        # thread block computes every query head of its KV head's group (EnginePolicy.decode_kv_reads)
+        self.decode_kv_reads = decode_kv_reads
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
         self.attention_dp = attention_dp
         # devices a token's attention and dense layers are split over; the group's tokens per rank's token at the
@@ -216,7 +219,8 @@ class StepWork:
 
     def decode_attention(self, num_decode, context_tokens):
         """(FLOPs, bytes) of decode attention: `num_decode` queries over `context_tokens` cached tokens in all
-        (sliding-window layers read at most their window of each request's mean context); arrays too."""
+        (sliding-window layers read at most their window of each request's mean context), the KV read
+        `decode_kv_reads` times; arrays too."""
         flops = context_tokens * self.attn_flops_per_pair * self.full_layers
         nbytes = context_tokens * self.kv_bytes_layer * self.full_layers
         if self.sliding_layers:
@@ -224,7 +228,7 @@ class StepWork:
             read = num_decode * np.minimum(self.window, mean_ctx)
             flops = flops + read * self.attn_flops_per_pair * self.sliding_layers
             nbytes = nbytes + read * self.kv_bytes_layer * self.sliding_layers
-        return flops, nbytes
+        return flops, nbytes * self.decode_kv_reads
 
     # ---- communication --------------------------------------------------------------------------------------
     def allreduce_bytes(self, tokens):

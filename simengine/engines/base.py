@@ -96,6 +96,11 @@ class EnginePolicy(RemoteKV, ABC):
         StepWork.engine_attention_flops_s); None: the device's attention peak at its gemm_fraction."""
         return None
 
+    def decode_kv_reads(self) -> float:
+        """Times the engine's decode attention kernel reads each KV head's cache in a step (cost/work.py
+        StepWork.decode_kv_reads): 1 where one thread block computes all the query heads that share a KV head."""
+        return 1.0
+
     def expert_tile_columns(self) -> int | None:
         """The widest token tile of the engine's grouped expert GEMM where each expert computes its tokens in whole
         tiles (cost/work.py StepWork.padded_expert_tokens); None: experts compute their tokens exactly."""

@@ -28,7 +28,12 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.decode_cohort import DecodeCohort
-from simengine.engines.lmdeploy_config import LmdeployParams, turbomind_kv, turbomind_max_batch_size
+from simengine.engines.lmdeploy_config import (
+    LmdeployParams,
+    turbomind_decode_kv_reads,
+    turbomind_kv,
+    turbomind_max_batch_size,
+)
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
@@ -81,6 +86,9 @@ class LmdeployEngine(EnginePolicy):
         self._active_first = True
         self.cohort = (DecodeCohort(self.kv, self.max_forward_tokens) if self.lazy_decode and not
                        p.enable_prefix_caching and self.speculation is None and dep.pp == 1 else None)
+
+    def decode_kv_reads(self) -> float:
+        return turbomind_decode_kv_reads(self.params, self.dep)
 
     def make_timing(self) -> EngineTiming:
         return EngineTiming(

@@ -34,6 +34,23 @@ class LmdeployParams(Checked):
     # lmdeploy's session API: pipeline/engine calls with session_id and sequence_start/sequence_end=False keep
     # a conversation's KV between turns. Off = every turn is a fresh sequence (sequence_start=end=True).
     interactive_sessions: bool = False
+    # TurboMind's decode attention kernel, by release (not a knob: validation sets it from the version measured).
+    # "decoding" (src/turbomind/kernels/attention/decoding.cu, v0.3.0 on): on sm80+ a thread block computes a KV
+    # head's whole group of 4, 5, 6 or 8 query heads and reads its cache once. "decoder_multihead_attention"
+    # (kernels/decoder_multihead_attention, v0.1-v0.2.x): at most 4 query heads a block (the 8-head variant is
+    # commented out of DispatchDecoderMultiheadAttention), one with an int8 KV cache, so each block of a group
+    # re-reads its KV head: Llama-2-70B's groups of 8 read the cache twice a step
+    decode_attention_kernel: Literal["decoding", "decoder_multihead_attention"] = "decoding"
+
+
+def turbomind_decode_kv_reads(p: LmdeployParams, dep: Deployment) -> float:
+    """Times TurboMind's decode attention reads each KV head's cache a step (LmdeployParams.decode_attention_kernel):
+    the query heads sharing a KV head over the heads one thread block computes."""
+    group = max(1, dep.model.num_heads // max(1, dep.model.num_kv_heads))
+    if p.decode_attention_kernel == "decoding" or group == 1:
+        return 1.0
+    per_block = 1 if p.quant_policy else 4 if group % 4 == 0 else 2 if group % 2 == 0 else 1
+    return group / per_block
 
 
 def turbomind_max_batch_size(dep: Deployment) -> int:

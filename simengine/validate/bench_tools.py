@@ -123,6 +123,10 @@ VERSION_KNOBS = (
     ("lmdeploy", None, (0, 11), {"async_": 0},
      "TurboMind's asynchronous execution arrived with the engine refactor of InternLM/lmdeploy PR #4223 "
      "(2025-12-19); ESTIMATE that releases before 0.11 ran one phase"),
+    ("lmdeploy", None, (0, 3), {"decode_attention_kernel": "decoder_multihead_attention"},
+     "TurboMind's decode attention was src/turbomind/kernels/decoder_multihead_attention (at most 4 query heads a "
+     "thread block) until InternLM/lmdeploy PR #1116 'Refactor turbomind attention' (2024-03-06, first in "
+     "v0.3.0) replaced it with kernels/attention/decoding.cu"),
     ("lmdeploy", (0, 2), (0, 6, 0, 1), {"max_batch_size": 128},
      "TurbomindEngineConfig.max_batch_size was a fixed 128 from v0.2.0 (lmdeploy/messages.py) to v0.6.0a0; "
      "InternLM/lmdeploy PR #2434 (2024-09-09, first in v0.6.0) made it depend on the device (utils.py "

@@ -41,6 +41,24 @@ def test_defaults_memory_rule_and_timing():
     assert eng.timing.overlap and not engine(async_=0).timing.overlap
 
 
+def test_the_decode_kernel_before_0_3_rereads_a_gqa_groups_kv_cache():
+    """TurboMind's decoder_multihead_attention (v0.1-v0.2) computes at most 4 query heads a thread block (one with a
+    quantised KV cache), so the blocks of a KV head's group each read its cache: Llama-2-70B (groups of 8) twice, a
+    multi-head model once; today's decoding kernel takes a group of 4-8 in one block. The step prices the reads."""
+    from simengine.sim.build import cost_model
+    old = "decoder_multihead_attention"
+    l70 = make_dep("a100_80g_sxm", "llama-2-70b", "fp16", "fp16", tp=4)
+    assert engine(l70, decode_attention_kernel=old).decode_kv_reads() == 2.0
+    assert engine(l70).decode_kv_reads() == 1.0
+    l7 = make_dep("a100_80g_sxm", "llama-2-7b", "fp16", "fp16")   # multi-head: a group of one
+    assert engine(l7, decode_attention_kernel=old).decode_kv_reads() == 1.0
+    l3 = make_dep("a100_80g_sxm", "llama-3.1-8b")                      # 32 query heads over 8: groups of 4
+    assert engine(l3, decode_attention_kernel=old).decode_kv_reads() == 1.0
+    assert engine(l3, decode_attention_kernel=old, quant_policy=8).decode_kv_reads() == 4.0
+    eng = engine(l70, decode_attention_kernel=old)
+    assert cost_model(eng).work.decode_kv_reads == 2.0
+
+
 def test_quant_policy_sets_kv_bytes_and_fp8_kv_is_rejected():
     base = engine().kv_capacity_tokens()
     int8, int4 = engine(quant_policy=8), engine(quant_policy=4)
