@@ -28,6 +28,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.decode_cohort import DecodeCohort
+from simengine.engines.lmdeploy_before_0_1 import separate_pass
 from simengine.engines.lmdeploy_config import (
     LmdeployParams,
     turbomind_decode_kv_reads,
@@ -74,6 +75,8 @@ class LmdeployEngine(EnginePolicy):
         # capped to the pool so the oldest sequence can always run by evicting everything newer
         self.max_model_len = min(p.session_len or dep.model.max_model_len, num_blocks * bs)
         self.max_context_token_num = p.max_context_token_num or self.max_model_len
+        if p.prefill_passes == "separate":   # a prefill-only pass takes up to max_context_token_num tokens
+            self.step_token_limit = max(self.max_forward_tokens, self.max_context_token_num)
         self.queue: deque[Request] = deque()          # gateway: requests not yet in the engine
         self.seqs: list[Request] = []                 # sequences in the engine, arrival order
         self.sessions: dict[int, list] = {}           # session_id -> [finished turn holding KV, valid tokens]
@@ -85,7 +88,9 @@ class LmdeployEngine(EnginePolicy):
         # last pass, and then the cohort can carry them
         self._active_first = True
         self.cohort = (DecodeCohort(self.kv, self.max_forward_tokens) if self.lazy_decode and not
-                       p.enable_prefix_caching and self.speculation is None and dep.pp == 1 else None)
+                       p.enable_prefix_caching and self.speculation is None and dep.pp == 1 and
+                       p.prefill_passes == "unified" else None)
+        self._in_iteration = False   # prefill_passes separate: admitted sequences' contexts are being computed
 
     def decode_kv_reads(self) -> float:
         return turbomind_decode_kv_reads(self.params, self.dep)
@@ -149,10 +154,10 @@ class LmdeployEngine(EnginePolicy):
         # Invariant: sequences are visited strictly by arrival; each may evict only inactive KV and later
         # arrivals' blocks; the first that does not fit (tokens, context or memory) ends the pass.
         out = SchedulerOutput()
-        while self.queue and len(self.seqs) < self.max_batch_size:
-            req = self.queue.popleft()
-            self._bind_session(req)
-            self.seqs.append(req)
+        if self.params.prefill_passes == "separate":
+            separate_pass(self, out, now)
+            return self._finish(out)
+        self._admit()
         cohort = self.cohort
         left = self._cohort_pass(out) if cohort is not None else None
         if left is None:
@@ -166,6 +171,16 @@ class LmdeployEngine(EnginePolicy):
             admitted = [r for r, _ in out.scheduled[carried:]]
             self._active.update(r.request_id for r in admitted)
             cohort.order(admitted, fresh=False)  # type: ignore[union-attr]
+        return self._finish(out)
+
+    def _admit(self) -> None:
+        """Gateway to engine, while the engine holds fewer than max_batch_size sequences."""
+        while self.queue and len(self.seqs) < self.max_batch_size:
+            req = self.queue.popleft()
+            self._bind_session(req)
+            self.seqs.append(req)
+
+    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         if not out.scheduled and self.seqs:
             out.idle_reason = "no sequence fits the forward budget or KV pool"
         out.shape = self.make_shape(out.scheduled, out.num_lazy)

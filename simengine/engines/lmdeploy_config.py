@@ -41,6 +41,13 @@ class LmdeployParams(Checked):
     # commented out of DispatchDecoderMultiheadAttention), one with an int8 KV cache, so each block of a group
     # re-reads its KV head: Llama-2-70B's groups of 8 read the cache twice a step
     decode_attention_kernel: Literal["decoding", "decoder_multihead_attention"] = "decoding"
+    # TurboMind's loop, by release (not a knob either). "unified" (InternLM/lmdeploy PR #775 'Unify prefill & decode
+    # passes', first in v0.1.0): one pass a forward over every sequence. "separate" (v0.1.0a1 and before,
+    # LlamaBatch::InternalThreadEntry): an iteration admits from the gateway, computes every new sequence's context
+    # but its last token in prefill-only passes (ContextDecode: mini-batches of at most max_context_token_num tokens,
+    # a sequence whole, the batch's longest context x its size within the same limit), then runs one decode pass in
+    # which every sequence computes one token, the new ones their last prompt token (Generate), and admits again
+    prefill_passes: Literal["unified", "separate"] = "unified"
 
 
 def turbomind_decode_kv_reads(p: LmdeployParams, dep: Deployment) -> float:

@@ -62,6 +62,24 @@ def trtllm_bench_params(row: Measurement) -> dict:
             "cuda_graph_max_batch_size": bs, "cuda_graph_enable_padding": True}
 
 
+# LMDeploy's own A100 benchmark page (docs/en/benchmark/a100_fp16.md @3e391df4) ran every row, the request-throughput
+# rows as the static ones, on the config.ini its scripts set (benchmark/benchmark_{7b,13b,70b}.sh: crudini --set
+# ... max_batch_size, cache_max_entry_count (> 1: a block count), max_context_token_num 4, which v0.1's
+# LlamaTritonModel multiplies by session_len when it is at most max_batch_size); v0.1's blocks held 128 tokens
+# (deploy/target_model/base.py cache_block_seq_len)
+LMDEPLOY_A100_PAGE = "docs/en/benchmark/a100_fp16.md"
+LMDEPLOY_A100_CONFIG = {"llama-2-7b": (128, 1000), "llama-2-13b": (128, 500), "llama-2-70b": (256, 4000)}
+
+
+def lmdeploy_benchmark_params(row: Measurement) -> dict:
+    """LmdeployParams of LMDeploy's A100 benchmark page as its scripts configured the model; {} for other rows."""
+    if LMDEPLOY_A100_PAGE not in row.source or row.model not in LMDEPLOY_A100_CONFIG:
+        return {}
+    batch, blocks = LMDEPLOY_A100_CONFIG[row.model]
+    return {"max_batch_size": batch, "cache_max_entry_count": blocks, "cache_block_seq_len": 128,
+            "max_context_token_num": 4 * load_model(row.model).max_model_len}
+
+
 _FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()]*|[^\s;()-][^\s;()]*))?")
 # the benchmark client's own flags (vllm bench serve, sglang.bench_serving), not engine knobs
 CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
@@ -123,6 +141,10 @@ VERSION_KNOBS = (
     ("lmdeploy", None, (0, 11), {"async_": 0},
      "TurboMind's asynchronous execution arrived with the engine refactor of InternLM/lmdeploy PR #4223 "
      "(2025-12-19); ESTIMATE that releases before 0.11 ran one phase"),
+    ("lmdeploy", None, (0, 1, 0, 1), {"prefill_passes": "separate"},
+     "TurboMind computed new sequences' contexts in prefill-only passes before each decode pass until "
+     "InternLM/lmdeploy PR #775 'Unify prefill & decode passes' (2023-12-04, first in v0.1.0; v0.1.0a1 has "
+     "LlamaBatch::ContextDecode then Generate)"),
     ("lmdeploy", None, (0, 3), {"decode_attention_kernel": "decoder_multihead_attention"},
      "TurboMind's decode attention was src/turbomind/kernels/decoder_multihead_attention (at most 4 query heads a "
      "thread block) until InternLM/lmdeploy PR #1116 'Refactor turbomind attention' (2024-03-06, first in "
@@ -166,6 +188,9 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     tool = ("trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source) and "triton" not in \
         row.notes.lower()
     params, why = version_params(row, engine)
+    if engine == "lmdeploy" and (scripted := lmdeploy_benchmark_params(row)):
+        params.update(scripted)
+        why.append(f"the benchmark scripts' config.ini {scripted} (benchmark/benchmark_*.sh @3e391df4)")
     if engine == "trtllm" and tool and row.input_len and row.output_len:
         p = trtllm_bench_params(row)
         why.append(f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}")

@@ -11,7 +11,7 @@ from simengine.engines.lmdeploy_config import LmdeployParams, turbomind_max_batc
 from simengine.engines.memory import NON_TORCH_BYTES
 from simengine.errors import InputError
 from tests.conftest import make_dep, make_request, make_scenario
-from tests.engines.harness import run_step
+from tests.engines.harness import drive, run_step
 
 
 def engine(dep=None, **params) -> LmdeployEngine:
@@ -57,6 +57,36 @@ def test_the_decode_kernel_before_0_3_rereads_a_gqa_groups_kv_cache():
     assert engine(l3, decode_attention_kernel=old, quant_policy=8).decode_kv_reads() == 4.0
     eng = engine(l70, decode_attention_kernel=old)
     assert cost_model(eng).work.decode_kv_reads == 2.0
+
+
+def test_separate_passes_compute_the_iterations_contexts_then_one_decode_pass():
+    """v0.1.0a1's loop (prefill_passes separate): the iteration's new sequences compute their contexts but the last
+    token in prefill-only passes (whole sequences, within max_context_token_num tokens and longest context x
+    sequences), then one decode pass gives every sequence one token (the new ones their last prompt token, hence
+    their first output token); a request that arrives meanwhile waits for the next iteration."""
+    eng = engine(prefill_passes="separate", max_context_token_num=1000)
+    assert eng.cohort is None and eng.step_token_limit == 8192 + 1024
+    a, b, c = make_request(400, 3, arrival_s=0.0), make_request(300, 3, arrival_s=0.0), make_request(500, 3)
+    for r in (a, b, c):
+        eng.add_request(r, 0.0)
+    out, res = run_step(eng, 0.0)
+    assert out.scheduled == [(a, 399), (b, 299)]      # c would make the padded mini-batch 3 x 499 > 1000
+    assert res.num_first_tokens == 0
+    late = make_request(50, 3, arrival_s=0.005)
+    eng.add_request(late, 0.005)
+    out, _ = run_step(eng, 0.01)
+    assert out.scheduled == [(c, 499)]                  # the late arrival waits: the iteration admitted a, b, c
+    out, res = run_step(eng, 0.02)
+    assert out.scheduled == [(a, 1), (b, 1), (c, 1)]    # the decode pass: three first tokens
+    assert res.num_first_tokens == 3 and a.first_token_s == b.first_token_s == c.first_token_s == 0.03
+    out, _ = run_step(eng, 0.03)
+    assert out.scheduled == [(late, 49)]                # the next iteration admits it, prefills it, then decodes
+    out, _ = run_step(eng, 0.04)
+    assert out.scheduled == [(a, 1), (b, 1), (c, 1), (late, 1)]
+    drain(eng, 0.05)
+    reqs = [make_request(200 + 37 * i, 4 + i % 5, arrival_s=0.01 * i) for i in range(40)]
+    done, failed = drive(engine(prefill_passes="separate", max_batch_size=8, cache_max_entry_count=40), reqs)
+    assert len(done) == 40 and not failed
 
 
 def test_quant_policy_sets_kv_bytes_and_fp8_kv_is_rejected():

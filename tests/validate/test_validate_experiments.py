@@ -123,7 +123,7 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     ("lmdeploy", "lmdeploy v0.6.0a0", {"async_": 0, "max_batch_size": 128}),   # a pre-release sorts before 0.6.0
     ("lmdeploy", "lmdeploy v0.6.0", {"async_": 0}),
     ("lmdeploy", "lmdeploy v0.1.0a1 TurboMind",
-     {"async_": 0, "decode_attention_kernel": "decoder_multihead_attention"}),
+     {"async_": 0, "decode_attention_kernel": "decoder_multihead_attention", "prefill_passes": "separate"}),
     ("lmdeploy", "lmdeploy v0.11.2", {}),
 ])
 def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect):
