@@ -188,6 +188,24 @@ def interp_hold(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, sol) -> np.ndarra
     return y
 
 
+def _moe_split_curve(shape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(tokens, seconds) of one MoE layer whose experts are sliced `moe_tp` ways (one shape, EP and dtype of a
+    table), or None where fewer than two token counts were timed. A finer slicing measured in the same table bounds
+    it: k times less sliced takes at most k times as long, since it could run as k launches of the finer slice
+    (the H100 and H200 trtllm tables time Llama-4 Scout's experts at moe tp 2 at 4.6-6.6x twice their moe tp 4)."""
+    rows = shape[shape["moe_dtype"] == dtype]
+    sel = rows[rows["moe_tp_size"] == moe_tp]
+    if sel["num_tokens"].nunique() < 2:
+        return None
+    xs, ys = _moe_median(sel)
+    for finer in sorted(set(rows["moe_tp_size"]) - {moe_tp}):
+        fine = rows[rows["moe_tp_size"] == finer]
+        if finer % moe_tp == 0 and fine["num_tokens"].nunique() >= 2:
+            fx, fy = _moe_median(fine)
+            ys = np.minimum(ys, finer // moe_tp * np.interp(xs, fx, fy, right=np.inf))
+    return xs, monotone(ys)
+
+
 def _moe_median(sel) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, seconds) of a MoE selection: the median over the routing distributions measured, so that one
     anomalous series cannot set it (the H200 trtllm table's fp8 power_law_1.2 series runs 5-8x its balanced and
@@ -509,18 +527,16 @@ class MeasuredKernels(RooflineKernels):
         ep = w.tp if w.expert_parallel else 1   # the tables key the group's tokens (attention DP: tp x the rank's)
         shape = df[(df["hidden_size"] == m.hidden_size) & (df["inter_size"] == inter)
                    & (df["topk"] == m.experts_per_token) & (df["num_experts"] == m.num_experts)
-                   & (df["moe_tp_size"] == w.tp // ep) & (df["moe_ep_size"] == ep)
-                   & df["distribution"].isin(MOE_DISTRIBUTIONS)]
-        sel = shape[shape["moe_dtype"] == dtype]
-        if sel["num_tokens"].nunique() >= 2:
-            xs, ys = _moe_median(sel)
-            wide = shape[shape["moe_dtype"] == "bfloat16"]
-            if dtype != "bfloat16" and wide["num_tokens"].nunique() >= 2:
+                   & (df["moe_ep_size"] == ep) & df["distribution"].isin(MOE_DISTRIBUTIONS)]
+        curve = _moe_split_curve(shape, dtype, w.tp // ep)
+        if curve is not None:
+            xs, ys = curve
+            wide = _moe_split_curve(shape, "bfloat16", w.tp // ep) if dtype != "bfloat16" else None
+            if wide is not None:
                 # narrower experts move fewer bytes through the same grouped GEMM, so a quantised MoE layer is never
                 # priced above the bf16 one of its shape (the H200 trtllm table times Llama-4 Scout's fp8 experts at
                 # EP 4 at 3-6x its bf16 and fp8_block rows: 0.26 ms for one token, bf16 0.09, fp8_block 0.05)
-                bx, by = _moe_median(wide)
-                ys = monotone(np.minimum(ys, np.interp(xs, bx, by, right=np.inf)))
+                ys = monotone(np.minimum(ys, np.interp(xs, *wide, right=np.inf)))
             return xs, ys
         self.fallbacks["moe"] = (f"experts {m.hidden_size}x{inter}, top-{m.experts_per_token} of {m.num_experts}, "
                                  f"tp {w.tp // ep} ep {ep} not measured")
