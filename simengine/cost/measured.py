@@ -198,9 +198,9 @@ def _moe_split_curve(shape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.nda
     if sel["num_tokens"].nunique() < 2:
         return None
     xs, ys = _moe_median(sel)
-    for finer in sorted(set(rows["moe_tp_size"]) - {moe_tp}):
+    for finer in sorted(t for t in set(rows["moe_tp_size"]) if t > moe_tp and t % moe_tp == 0):
         fine = rows[rows["moe_tp_size"] == finer]
-        if finer % moe_tp == 0 and fine["num_tokens"].nunique() >= 2:
+        if fine["num_tokens"].nunique() >= 2:
             fx, fy = _moe_median(fine)
             ys = np.minimum(ys, finer // moe_tp * np.interp(xs, fx, fy, right=np.inf))
     return xs, monotone(ys)
