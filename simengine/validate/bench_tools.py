@@ -71,6 +71,30 @@ LMDEPLOY_A100_PAGE = "docs/en/benchmark/a100_fp16.md"
 LMDEPLOY_A100_CONFIG = {"llama-2-7b": (128, 1000), "llama-2-13b": (128, 500), "llama-2-70b": (256, 4000)}
 
 
+# vLLM's v0.6.0 post (vllm-project.github.io _posts/2024-09-05-perf-update.md) ran every engine from the nightly
+# benchmark suite of its date (vllm-project/vllm issue #8176: the suite of buildkite build 8532), whose
+# .buildkite/nightly-benchmarks/tests/nightly-tests.json set these server parameters for every test (the copy of that
+# file at ehuaa/vllm @f1e5d9cc: tests llama8B_tp1_* and llama70B_tp4_* over sharegpt, sonnet_512_16 and
+# sonnet_512_256; trtllm-build --max_batch_size/--max_num_tokens/--max_seq_len from trt_server_parameters, PR #7412's
+# launch-trt-server.sh); SGLang compiled only the 8B tests' model.
+VLLM_V060_POST = "_posts/2024-09-05-perf-update.md"
+VLLM_V060_SERVER_PARAMS: dict[str, dict[str, object]] = {
+    "vllm": {"max_num_seqs": 512, "gpu_memory_utilization": 0.9, "num_scheduler_steps": 10},
+    "sglang": {"disable_radix_cache": True},
+    "trtllm": {"max_batch_size": 2048, "max_num_tokens": 16384, "max_seq_len": 6144, "enable_block_reuse": False},
+}
+
+
+def vllm_v060_post_params(row: Measurement, engine: str) -> dict:
+    """The server parameters vLLM's v0.6.0 post ran `engine` with; {} for other rows."""
+    if VLLM_V060_POST not in row.source:
+        return {}
+    params = dict(VLLM_V060_SERVER_PARAMS.get(engine, {}))
+    if engine == "sglang" and load_model(row.model).total_params < 20e9:   # llama8B_tp1_*: --enable-torch-compile
+        params["enable_torch_compile"] = True
+    return params
+
+
 def lmdeploy_benchmark_params(row: Measurement) -> dict:
     """LmdeployParams of LMDeploy's A100 benchmark page as its scripts configured the model; {} for other rows."""
     if LMDEPLOY_A100_PAGE not in row.source or row.model not in LMDEPLOY_A100_CONFIG:
@@ -188,6 +212,9 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     tool = ("trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source) and "triton" not in \
         row.notes.lower()
     params, why = version_params(row, engine)
+    if harness := vllm_v060_post_params(row, engine):
+        params.update(harness)
+        why.append(f"the server parameters of the suite vLLM's v0.6.0 post ran {harness} (nightly-tests.json)")
     if engine == "lmdeploy" and (scripted := lmdeploy_benchmark_params(row)):
         params.update(scripted)
         why.append(f"the benchmark scripts' config.ini {scripted} (benchmark/benchmark_*.sh @3e391df4)")

@@ -135,6 +135,24 @@ def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect
         assert "(" in note   # says which version rule applied and its source
 
 
+@pytest.mark.parametrize("engine, model, expect", [
+    ("vllm", "llama-3-8b", {"max_num_seqs": 512, "gpu_memory_utilization": 0.9}),
+    ("sglang", "llama-3-8b", {"disable_radix_cache": True, "enable_torch_compile": True}),
+    ("sglang", "llama-3-70b", {"disable_radix_cache": True}),
+    ("trtllm", "llama-3-70b", {"max_batch_size": 2048, "max_num_tokens": 16384, "max_seq_len": 6144,
+                               "enable_block_reuse": False}),
+    ("lmdeploy", "llama-3-8b", {}),
+])
+def test_vllm_v060_post_rows_run_the_suites_server_parameters(engine, model, expect):
+    from simengine.validate.bench_tools import engine_params
+
+    post = "vLLM blog (vllm-project/vllm-project.github.io _posts/2024-09-05-perf-update.md)"
+    params, note = engine_params(row(engine=engine, model=model, source=post), engine)
+    assert expect.items() <= params.items()
+    assert ("nightly-tests.json" in note) == bool(expect)
+    assert engine_params(row(engine=engine, model=model), engine)[0].keys().isdisjoint(expect)   # other sources
+
+
 JUDGED = sorted((Path(__file__).parents[2] / "docs" / "judge").glob("*.csv"))
 
 
