@@ -108,10 +108,13 @@ _FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()]*|[^\s;()-][^\s;()]
 # the benchmark client's own flags (vllm bench serve, sglang.bench_serving), not engine knobs
 CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
                           "tokenizer", "disable-log-requests", "disable-log-stats", "ignore-eos", "model", "port",
-                          "host", "tensor", "tp", "tensor-parallel-size", "dtype"})
+                          "host", "tensor", "tp", "tensor-parallel-size", "dtype", "max-concurrency",
+                          "sonnet-input-len", "sonnet-output-len", "sonnet-prefix-len", "random-input-len",
+                          "random-output-len"})
 # argparse accepts unambiguous prefixes; the abbreviations sources print, and flags since renamed, as the engine's
 # argument name today (SGLang v0.3's --max-torch-compile-bs, PR #1497)
-FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torch_compile_max_bs"}
+FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torch_compile_max_bs",
+                "gpu_memory_util": "gpu_memory_utilization"}
 # machine-readable notes items that are engine knobs (README 'Machine-readable notes'; vLLM names) -> field name
 NOTE_KNOBS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",
               "gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",
@@ -133,11 +136,18 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
         if name in CLIENT_FLAGS:
             continue
         key = FLAG_ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
+        negated = key.startswith("no_") and key[3:] in fields   # argparse's --no-<flag> (BooleanOptionalAction)
+        if negated:
+            key, value = key[3:], "false"
         if key not in fields:
             ignored.append(f"--{name}")
             continue
-        base = [a for a in typing.get_args(hints[key]) if a is not type(None)] or [hints[key]]
-        kind = base[0] if isinstance(base[0], type) else str
+        hint = hints[key]
+        first = hint if typing.get_origin(hint) is typing.Literal else \
+            ([a for a in typing.get_args(hint) if a is not type(None)] or [hint])[0]
+        # a Literal knob (vLLM's block_size) takes its values' type; other non-class hints are read as text
+        kind = type(typing.get_args(first)[0]) if typing.get_origin(first) is typing.Literal else \
+            first if isinstance(first, type) else str
         if kind is bool:
             params[key] = value.lower() not in ("0", "false", "no") if value and not value.startswith("-") else True
         else:
