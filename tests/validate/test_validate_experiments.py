@@ -112,9 +112,8 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     assert params == {"max_model_len": 4096, "max_num_seqs": 512}
     params, _ = engine_params(row(engine="vllm", notes="vllm serve m --block-size 64 --enforce-eager"), "vllm")
     assert params == {"block_size": 64, "enforce_eager": True}   # a Literal knob takes its values' type
-    params, note = engine_params(row(engine="vllm", notes="vllm serve m --no-enable-prefix-caching "
-                                                         "--gpu-memory-util=0.85; vllm bench serve --max-concurrency 8"),
-                                 "vllm")
+    served = "vllm serve m --no-enable-prefix-caching --gpu-memory-util=0.85; vllm bench serve --max-concurrency 8"
+    params, note = engine_params(row(engine="vllm", notes=served), "vllm")
     assert params == {"enable_prefix_caching": False, "gpu_memory_utilization": 0.85}   # argparse's --no- and prefix
     assert "not modelled" not in note                                                   # the client's flags
 
