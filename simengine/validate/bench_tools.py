@@ -121,6 +121,17 @@ NOTE_KNOBS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs"
               "kv_block_size": "block_size", "gpu_kv_blocks": "num_gpu_blocks_override"}
 
 
+def _knob_type(hint) -> type:
+    """What a quoted flag's text converts to: a Literal knob's values' type (vLLM's block_size), an optional knob's
+    own, a class as is, anything else text."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0])
+    if args:
+        return _knob_type(args[0])
+    return hint if isinstance(hint, type) else str
+
+
 def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     """Engine knobs quoted as command-line flags in the notes that are fields of the engine's params (real knob
     names, dashes as underscores), converted to the field's type; and the flags that are not (reported)."""
@@ -136,18 +147,12 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
         if name in CLIENT_FLAGS:
             continue
         key = FLAG_ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
-        negated = key.startswith("no_") and key[3:] in fields   # argparse's --no-<flag> (BooleanOptionalAction)
-        if negated:
+        if key.startswith("no_") and key[3:] in fields:   # argparse's --no-<flag> (BooleanOptionalAction)
             key, value = key[3:], "false"
         if key not in fields:
             ignored.append(f"--{name}")
             continue
-        hint = hints[key]
-        first = hint if typing.get_origin(hint) is typing.Literal else \
-            ([a for a in typing.get_args(hint) if a is not type(None)] or [hint])[0]
-        # a Literal knob (vLLM's block_size) takes its values' type; other non-class hints are read as text
-        kind = type(typing.get_args(first)[0]) if typing.get_origin(first) is typing.Literal else \
-            first if isinstance(first, type) else str
+        kind = _knob_type(hints[key])
         if kind is bool:
             params[key] = value.lower() not in ("0", "false", "no") if value and not value.startswith("-") else True
         else:
