@@ -60,9 +60,10 @@ class GenericEngine(PagedEngine):
         self.batch_size_limit = params.max_num_seqs
         super().__init__(params, dep)
         p = params
-        kv_bytes = (p.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
-                    - activation_reserve_bytes(dep, p.max_num_batched_tokens, p.max_num_seqs) - NON_TORCH_BYTES)
-        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="generic",
+        tokens = kv_tokens_or_refuse(dep, lambda d: (
+            p.gpu_memory_utilization * d.hardware.memory_bytes - d.weight_bytes_per_device
+            - activation_reserve_bytes(d, p.max_num_batched_tokens, p.max_num_seqs) - NON_TORCH_BYTES),
+                                     engine="generic",
                                      rule=f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
         num_blocks = tokens // p.block_size
         self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=False)

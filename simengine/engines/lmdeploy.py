@@ -67,9 +67,9 @@ class LmdeployEngine(EnginePolicy):
         else:
             # ESTIMATE: TurboMind sizes the pool from cudaMemGetInfo after loading weights; activations and
             # workspaces come out of the remaining (1 - cache_max_entry_count) share.
-            free = dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
             rule = f"cache_max_entry_count={p.cache_max_entry_count} of free memory after weights"
-            tokens = kv_tokens_or_refuse(dep, p.cache_max_entry_count * free, engine="lmdeploy", rule=rule)
+            tokens = kv_tokens_or_refuse(dep, lambda d: p.cache_max_entry_count * (
+                d.hardware.memory_bytes - d.weight_bytes_per_device - NON_TORCH_BYTES), engine="lmdeploy", rule=rule)
         num_blocks = max(1, tokens // bs)
         self.kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=p.enable_prefix_caching)
         # capped to the pool so the oldest sequence can always run by evicting everything newer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from simengine.config.dtypes import WeightFormat
@@ -13,6 +15,7 @@ GIB = 2**30
 # Memory CUDA context, NCCL and allocator fragmentation take outside the engine's pools. ESTIMATE: vLLM logs
 # report 0.3-1.5 GiB "non-torch memory" on H100 (vllm/v1/worker/gpu_worker.py determine_available_memory).
 NON_TORCH_BYTES = 0.75 * GIB
+MIN_KV_TOKENS = 16   # a deployment whose engine rule leaves KV room for fewer tokens is refused
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,17 +83,39 @@ def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs
     return max_tokens_per_step * per_token + logits
 
 
-def kv_tokens_or_refuse(dep: Deployment, kv_bytes: float, *, engine: str, rule: str) -> int:
-    """KV token capacity per replica from the bytes an engine's rule leaves; InputError if nothing fits."""
-    tokens = int(kv_bytes // dep.kv_bytes_per_token_per_device) if kv_bytes > 0 else 0
-    if tokens < 16:
+def kv_tokens(dep: Deployment, kv_bytes: float) -> int:
+    """KV tokens per replica that `kv_bytes` per device hold."""
+    return int(kv_bytes // dep.kv_bytes_per_token_per_device) if kv_bytes > 0 else 0
+
+
+def kv_tokens_or_refuse(dep: Deployment, kv_bytes_of: Callable[[Deployment], float], *, engine: str,
+                        rule: str) -> int:
+    """KV token capacity per replica from the bytes an engine's rule (`kv_bytes_of` a deployment) leaves;
+    CannotRun, with the tp the same rule would accept, if it leaves room for too few tokens."""
+    kv_bytes = kv_bytes_of(dep)
+    tokens = kv_tokens(dep, kv_bytes)
+    if tokens < MIN_KV_TOKENS:
         hw, m = dep.hardware, dep.model
         need = dep.weight_bytes_per_device / GIB
         have = hw.memory_bytes / GIB
-        more_tp = dep.tp * 2
         raise CannotRun(
             f"{m.name} does not fit on {hw.name} with {engine}: weights {need:.1f} GiB per device of "
-            f"{have:.1f} GiB, leaving {max(kv_bytes, 0) / GIB:.2f} GiB for KV under {rule}; use tp={more_tp}, "
-            f"a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory",
-            field="deployment")
+            f"{have:.1f} GiB, leaving {max(kv_bytes, 0) / GIB:.2f} GiB for KV under {rule}; "
+            f"{_what_fits(dep, kv_bytes_of)}", field="deployment")
     return tokens
+
+
+def _what_fits(dep: Deployment, kv_bytes_of: Callable[[Deployment], float]) -> str:
+    """The fix for weights that leave no KV room: the smallest wider tensor parallelism of the node under which the
+    engine's rule leaves room, or that none does."""
+    m, hw = dep.model, dep.hardware
+    most = hw.node_size // dep.pp if hw.link_bandwidth_bytes_s > 0 else 1
+    for tp in range(dep.tp + 1, most + 1):
+        if m.num_heads % tp:   # config/scenario resolve_deployment: tp must divide the attention heads
+            continue
+        wider = dataclasses.replace(dep, tp=tp)
+        if kv_tokens(wider, kv_bytes_of(wider)) >= MIN_KV_TOKENS:
+            return f"use tp={tp}, a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory"
+    total = m.total_params * dep.weight_format.bytes_per_param / GIB
+    return (f"no tp up to {most} ({hw.name}'s node of {hw.node_size}) leaves room for KV beside its {total:.0f} GiB "
+            f"of weights: use a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory")

@@ -50,19 +50,22 @@ class MlcConfig:
 
 def mlc_memory_tokens(p: MlcParams, dep: Deployment, seqs: int, compiled_chunk: int) -> int:
     """(memory x gpu_memory_utilization - params - temp buffer - workspaces) / KV bytes per token (config.cc)."""
-    m, tp = dep.model, dep.tp
-    nq, nkv, hd = m.num_heads / tp, max(1.0, m.num_kv_heads / tp), m.head_dim
-    kv_aux = (seqs + 1) * 88 + compiled_chunk * (nq + 1) * 8 + compiled_chunk * hd * (nq + nkv) * 4 + 48 * MIB
-    model_ws = compiled_chunk * 4 + seqs * 4 + (compiled_chunk * 2 + seqs) * hd * nq * 2
-    logit_ws = seqs * 20 + seqs * m.vocab_size * 16.125
-    # ESTIMATE: the compiled prefill's planned temp buffer per chunk token ~ the 16-bit gate/up output plus two
-    # hidden-state buffers (TVM's static planner reuses the rest), a few hundred MB at chunk 2048 for 8B models
-    # as MLC's "Temporary buffer" log line shows; MLC doubles it "for safety" (config.cc InferForKVCache).
-    temp = 2 * compiled_chunk * 2.0 * (2 * m.intermediate_size / tp + 2 * m.hidden_size)
-    budget = (p.gpu_memory_utilization * gpu_visible_bytes(dep.hardware) - dep.weight_bytes_per_device - temp
-              - kv_aux - model_ws - logit_ws)
-    per_token = dep.kv_bytes_per_token_per_device
-    tokens = kv_tokens_or_refuse(dep, budget * per_token / (per_token + 1.25), engine="mlc",  # +1.25 B page table
+    def kv_bytes(d: Deployment) -> float:
+        m, tp = d.model, d.tp
+        nq, nkv, hd = m.num_heads / tp, max(1.0, m.num_kv_heads / tp), m.head_dim
+        kv_aux = (seqs + 1) * 88 + compiled_chunk * (nq + 1) * 8 + compiled_chunk * hd * (nq + nkv) * 4 + 48 * MIB
+        model_ws = compiled_chunk * 4 + seqs * 4 + (compiled_chunk * 2 + seqs) * hd * nq * 2
+        logit_ws = seqs * 20 + seqs * m.vocab_size * 16.125
+        # ESTIMATE: the compiled prefill's planned temp buffer per chunk token ~ the 16-bit gate/up output plus two
+        # hidden-state buffers (TVM's static planner reuses the rest), a few hundred MB at chunk 2048 for 8B models
+        # as MLC's "Temporary buffer" log line shows; MLC doubles it "for safety" (config.cc InferForKVCache).
+        temp = 2 * compiled_chunk * 2.0 * (2 * m.intermediate_size / tp + 2 * m.hidden_size)
+        budget = (p.gpu_memory_utilization * gpu_visible_bytes(d.hardware) - d.weight_bytes_per_device - temp
+                  - kv_aux - model_ws - logit_ws)
+        per_token = d.kv_bytes_per_token_per_device
+        return budget * per_token / (per_token + 1.25)   # +1.25 B of page table per KV token
+
+    tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="mlc",
                                  rule=f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
     return min(tokens, METAL_KV_CAP) if dep.hardware.vendor == "apple" else tokens
 

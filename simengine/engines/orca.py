@@ -67,8 +67,8 @@ class OrcaEngine(PagedEngine):
         self.step_token_limit, self.batch_size_limit = None, params.max_num_seqs  # whole prompts: no token cap
         super().__init__(params, dep)
         # Vidur MemoryPlanner.get_max_batch_size: total x gpu_memory_utilization - parameters, all of it for KV.
-        kv_bytes = params.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
-        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="orca",
+        tokens = kv_tokens_or_refuse(dep, lambda d: params.gpu_memory_utilization * d.hardware.memory_bytes
+                                     - d.weight_bytes_per_device, engine="orca",
                                      rule=f"gpu_memory_utilization={params.gpu_memory_utilization} of total memory")
         num_blocks = params.num_blocks or tokens // params.block_size
         self.kv = KVCacheManager(num_blocks, params.block_size, enable_prefix_caching=False)

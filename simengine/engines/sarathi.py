@@ -78,9 +78,9 @@ class SarathiEngine(PagedEngine):
         super().__init__(params, dep)
         p = params
         # model_runner.profile_num_available_blocks: total x utilization - peak of a one-chunk profiling forward
-        kv_bytes = (p.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
-                    - activation_reserve_bytes(dep, p.chunk_size, 1))
-        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sarathi",
+        tokens = kv_tokens_or_refuse(dep, lambda d: p.gpu_memory_utilization * d.hardware.memory_bytes
+                                     - d.weight_bytes_per_device - activation_reserve_bytes(d, p.chunk_size, 1),
+                                     engine="sarathi",
                                      rule=f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
         num_blocks = p.num_gpu_blocks or tokens // p.block_size
         self.kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=False)

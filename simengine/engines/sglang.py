@@ -70,8 +70,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         if self.adapters is not None:   # the LoRA pool comes out of the KV pool
             dep = self.dep = dataclasses.replace(
                 dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.attention_tp))
-        kv_bytes = self.mem_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
-        tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="sglang",
+        tokens = kv_tokens_or_refuse(dep, lambda d: self.mem_fraction * d.hardware.memory_bytes
+                                     - d.weight_bytes_per_device - NON_TORCH_BYTES, engine="sglang",
                                      rule=f"mem_fraction_static={self.mem_fraction} of total memory")
         if p.max_total_tokens:
             tokens = min(tokens, p.max_total_tokens)

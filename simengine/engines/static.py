@@ -58,7 +58,8 @@ class StaticEngine(EnginePolicy):
         # non-torch memory and a batch's activations holds the StaticCache rows.
         self.free_bytes = dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
         self.kv_per_token = dep.kv_bytes_per_token_per_device
-        self.capacity = kv_tokens_or_refuse(dep, self.free_bytes - activation_reserve_bytes(dep, 1, 1),
+        self.capacity = kv_tokens_or_refuse(dep, lambda d: d.hardware.memory_bytes - d.weight_bytes_per_device
+                                            - NON_TORCH_BYTES - activation_reserve_bytes(d, 1, 1),
                                             engine="static", rule="all device memory (no fraction knob)")
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []          # the running batch, finished members included (they hold rows)

@@ -97,10 +97,14 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
         self.block = BLOCK_SIZES[p.attention]
         self.mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(dep)
         super().__init__(params, dep)
-        free = (p.cuda_memory_fraction * dep.hardware.memory_bytes - dep.weight_bytes_per_device - NON_TORCH_BYTES
-                - activation_reserve_bytes(dep, self.mbpt, 1))
-        # warmup: KV = free memory x wiggle room, plus the warmup batch's own blocks (flash_causal_lm.warmup)
-        kv_bytes = p.tgi_wiggle_room * free + self.mbpt * dep.kv_bytes_per_token_per_device if free > 0 else 0.0
+
+        def kv_bytes(d: Deployment) -> float:
+            mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(d)   # self.mbpt on this deployment
+            free = (p.cuda_memory_fraction * d.hardware.memory_bytes - d.weight_bytes_per_device - NON_TORCH_BYTES
+                    - activation_reserve_bytes(d, mbpt, 1))
+            # warmup: KV = free memory x wiggle room, plus the warmup batch's own blocks (flash_causal_lm.warmup)
+            return p.tgi_wiggle_room * free + mbpt * d.kv_bytes_per_token_per_device if free > 0 else 0.0
+
         tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="tgi",
                                      rule=f"cuda_memory_fraction={p.cuda_memory_fraction} x wiggle room "
                                           f"{p.tgi_wiggle_room} of free memory")

@@ -80,10 +80,13 @@ def trtllm_capture_sizes(max_bs: int, padding: bool) -> tuple[int, ...]:
 def trtllm_kv_cache(p: TrtllmParams, dep: Deployment) -> KVCacheManager:
     """The paged KV pool (KvCacheConfig) on this deployment, with the host pool host_cache_size asks for."""
     # KV estimation: a profiling forward of max_num_tokens, then free_gpu_memory_fraction of what is left free
-    free = (dep.hardware.memory_bytes - dep.weight_bytes_per_device
-            - activation_reserve_bytes(dep, p.max_num_tokens, p.max_batch_size) - NON_TORCH_BYTES)
+    def kv_bytes(d: Deployment) -> float:
+        return p.free_gpu_memory_fraction * (d.hardware.memory_bytes - d.weight_bytes_per_device
+                                             - activation_reserve_bytes(d, p.max_num_tokens, p.max_batch_size)
+                                             - NON_TORCH_BYTES)
+
     rule = f"free_gpu_memory_fraction={p.free_gpu_memory_fraction} of free memory after weights and activations"
-    tokens = kv_tokens_or_refuse(dep, p.free_gpu_memory_fraction * free, engine="trtllm", rule=rule)
+    tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="trtllm", rule=rule)
     if p.kv_cache_max_tokens:
         tokens = min(tokens, p.kv_cache_max_tokens)
     num_blocks = max(1, tokens // p.tokens_per_block)

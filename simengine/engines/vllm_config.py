@@ -97,14 +97,16 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
     """The paged KV pool vLLM sizes on this deployment (gpu_worker.determine_available_memory: the utilisation share of
     memory less weights, the profiled activation peak and non-torch memory; or kv_cache_memory_bytes), with the CPU
     and disk offload tiers its params ask for."""
-    if p.kv_cache_memory_bytes:
-        kv_bytes = float(p.kv_cache_memory_bytes)
-        rule = "kv_cache_memory_bytes"
-    else:
-        kv_bytes = (p.gpu_memory_utilization * dep.hardware.memory_bytes - dep.weight_bytes_per_device
-                    - activation_reserve_bytes(dep, max_num_batched_tokens, max_num_seqs) - NON_TORCH_BYTES)
-        rule = f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory"
-    tokens = kv_tokens_or_refuse(dep, kv_bytes, engine="vllm", rule=rule)
+    def kv_bytes_of(d: Deployment) -> float:
+        if p.kv_cache_memory_bytes:
+            return float(p.kv_cache_memory_bytes)
+        return (p.gpu_memory_utilization * d.hardware.memory_bytes - d.weight_bytes_per_device
+                - activation_reserve_bytes(d, max_num_batched_tokens, max_num_seqs) - NON_TORCH_BYTES)
+
+    rule = ("kv_cache_memory_bytes" if p.kv_cache_memory_bytes
+            else f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")
+    kv_bytes = kv_bytes_of(dep)
+    tokens = kv_tokens_or_refuse(dep, kv_bytes_of, engine="vllm", rule=rule)
     num_blocks = p.num_gpu_blocks_override or tokens // p.block_size
     if num_blocks > 50_000_000:  # more than any device holds (a B200 has ~13M 16-token blocks of Llama-8B)
         raise InputError(f"a KV pool of {kv_bytes / 2**30:.0f} GiB is beyond any device; give "

@@ -1,11 +1,16 @@
 """Every registered engine, as it ships, passes the shared invariants by hand (caps per step, KV bookkeeping,
 conservation, everything freed) and gives identical results for identical input (determinism)."""
 
+import re
+
 import numpy as np
 import pytest
 
+from simengine.config.hardware import load_hardware
+from simengine.config.model import load_model
 from simengine.config.scenario import EngineEntry
 from simengine.engines import ENGINES
+from simengine.errors import CannotRun
 from simengine.sim.build import build_engine
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import drive
@@ -49,3 +54,36 @@ def test_engine_modules_stay_readable():
         text = path.read_text()
         assert len(text.splitlines()) <= 400, f"{path.name} has {len(text.splitlines())} lines"
         assert "import simpy" not in text and "import time" not in text, f"{path.name} imports SimPy or the clock"
+
+
+_ADVICE_CASES = [(e, hw, m) for e in ("vllm", "sglang", "trtllm", "lmdeploy", "tgi")
+                 for hw in ("h100_sxm", "a100_40g_sxm", "l4", "l40s", "rtx_4090")
+                 for m in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "mixtral-8x7b", "qwen3-32b")]
+
+
+@pytest.mark.parametrize(("engine", "hardware", "model"), _ADVICE_CASES)
+def test_a_refused_deployment_names_a_tp_that_fits_or_says_none_does(engine, hardware, model):
+    """The refusal of weights that leave no KV room gives a fix that works: the tp it names builds the engine, and
+    where it names none, no tp of the node does."""
+    try:
+        build_engine(EngineEntry(engine=engine), make_dep(hardware=hardware, model=model))
+        return
+    except CannotRun as exc:
+        message = str(exc)
+    if "does not fit" not in message:
+        return   # refused for another reason (vendor, dtype)
+    m = re.search(r"use tp=(\d+)", message)
+    hw = load_hardware(hardware)
+    fitting = []
+    for tp in range(2, hw.node_size + 1):
+        if load_model(model).num_heads % tp or hw.link_bandwidth_bytes_s <= 0:
+            continue
+        try:
+            build_engine(EngineEntry(engine=engine), make_dep(hardware=hardware, model=model, tp=tp))
+            fitting.append(tp)
+        except CannotRun:
+            pass
+    if m:
+        assert fitting and int(m.group(1)) == fitting[0], (message, fitting)
+    else:
+        assert "no tp up to" in message and not fitting, (message, fitting)
