@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from simengine.config.dtypes import kv_bytes, weight_format
 from simengine.config.hardware import load_hardware
 from simengine.config.loader import from_dict
-from simengine.config.model import load_model
+from simengine.config.model import ModelSpec, load_model
 from simengine.config.scenario import DeploymentConfig, EngineEntry, PoolConfig, Scenario
 from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
 from simengine.cost.measured import MeasuredKernels, systems
@@ -21,6 +21,7 @@ from simengine.engines.memory import Deployment
 from simengine.engines.speculative import NGRAM_LOOKUP_S, proposer_model
 from simengine.errors import CannotRun, InputError
 from simengine.sim.links import kv_path, place
+from simengine.workload.config import shortest_prompt
 
 
 def build_deployment(scenario: Scenario) -> Deployment:
@@ -149,6 +150,16 @@ class Pool:
         return self.dep.num_devices * self.count
 
 
+def check_prompts_fit(scenario: Scenario, model: ModelSpec) -> None:
+    """Refuse a workload none of whose prompts fits the model's context (every request would be refused); a
+    workload with some prompts too long runs, and those requests fail as the engine refuses them."""
+    shortest, context = shortest_prompt(scenario.workload), model.max_model_len
+    if shortest is not None and shortest + 1 > context:
+        raise InputError(f"every prompt is at least {shortest:,} tokens (shared prefix included) and {model.name}'s "
+                         f"context is {context:,} tokens, so every request would be refused; draw prompts below "
+                         f"{context:,} tokens or serve a model with a longer context", field="workload.input_tokens")
+
+
 def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
     """The pools a run of `entry` deploys, resolved and checked: the first-hop pools (mixed, or prefill) numbered
     first, then the decode pools. Raises InputError on a bad layout and CannotRun when an engine cannot serve a pool
@@ -186,6 +197,7 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
     if len(models) > 1:
         raise InputError(f"every pool serves the same model (requests are tokenised once), got {sorted(models)}",
                          field=f"{where}[].model")
+    check_prompts_fit(scenario, pools[0].dep.model)
     for p in pools:
         try:
             eng = build_engine(p.entry, p.dep)

@@ -183,3 +183,13 @@ class WorkloadConfig(Checked):
         if self.arrival.process == "stages" and (self.sessions is not None or self.trace is not None):
             raise InputError("staged arrivals send plain requests; remove workload.sessions / workload.trace",
                              field="workload.arrival.process")
+
+
+def shortest_prompt(cfg: WorkloadConfig) -> int | None:
+    """Tokens no prompt of a plain request stream falls below (the shared prefix counted), or None where prompts
+    come from a trace, sessions, documents or prompt groups (those are checked request by request at admission)."""
+    if cfg.trace is not None or cfg.sessions is not None or cfg.documents is not None or cfg.prompt_groups:
+        return None
+    dists = [c.input_tokens or cfg.input_tokens for c in cfg.classes] or [cfg.input_tokens]
+    shortest = min(max(round(max(d.lowest(), 0.0)), 1) for d in dists)   # sample_int: rounded, at least 1
+    return max(cfg.shared_prefix_tokens + 1, shortest)   # generator.py: the prefix heads the input tokens

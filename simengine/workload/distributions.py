@@ -101,10 +101,25 @@ class Dist(Checked):
         return min(max(float(x), self.min if self.min is not None else -math.inf),
                    self.max if self.max is not None else math.inf)
 
+    def lowest(self) -> float:
+        """A value no draw falls below: the constant, uniform's low, an empirical table's lower bound, 0 for the
+        open-ended families; then clipped as draws are."""
+        if self.dist == "constant":
+            low = self._given("value")
+        elif self.dist == "uniform":
+            low = self._given("low")
+        elif self.dist == "empirical":
+            low = self._bounds(check_table(str(self.table)))[0]
+        else:
+            low = 0.0 if self.dist != "normal" else -math.inf
+        return float(self.clip(low))
+
     def sample_int(self, rng: np.random.Generator, n: int | None = None, *, at_least: int = 1):
         """Integer samples (uniform is inclusive of `high`), never below `at_least`."""
         if self.dist == "uniform":
             drawn = rng.integers(int(self._given("low")), int(self._given("high")) + 1, n)
+            if self.min is not None or self.max is not None:   # clipped as every other family's draws
+                return self.to_int(self.clip(drawn), n, at_least)
             return np.maximum(drawn, at_least) if n is not None else max(int(drawn), at_least)
         return self.to_int(self.sample(rng, n), n, at_least)
 

@@ -54,3 +54,27 @@ def test_token_ids_drawn_ahead_are_the_one_by_one_draws(seed, sizes, structured)
         if structured:
             assert factory.rng_tokens.uniform() == reference.uniform()
     assert (len(factory._token_pool) == 0) == bool(structured)   # drawn ahead only without the coin
+
+
+LOWEST_DISTS = DISTS + [
+    {"dist": "uniform", "low": 300, "high": 900, "min": 500},
+    {"dist": "constant", "value": 5000, "max": 700},
+    {"dist": "empirical", "table": "sharegpt_input", "mean": 500, "min": 64},
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(LOWEST_DISTS), st.integers(0, 2**32 - 1), st.integers(0, 400))
+def test_no_prompt_is_shorter_than_the_workload_says_it_can_be(dist_in, seed, prefix):
+    """shortest_prompt, which refuses a workload whose every prompt is beyond the model's context, is a true lower
+    bound of the prompts the generator makes (prefix included), and the bound is reached where the lengths are
+    fixed."""
+    from simengine.workload.config import shortest_prompt
+
+    sc = make_scenario(seed=seed, workload__input_tokens=dist_in, workload__shared_prefix_tokens=prefix)
+    factory = RequestFactory(sc.workload, seed, 32000, 131072)
+    prompts = [r.prompt_len for r in (factory.plain_request(float(i)) for i in range(300))]
+    low = shortest_prompt(sc.workload)
+    assert low is not None and min(prompts) >= low
+    if dist_in["dist"] == "constant":
+        assert min(prompts) == low
