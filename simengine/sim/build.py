@@ -41,8 +41,9 @@ def resolve_deployment(d: DeploymentConfig, pool: PoolConfig | None = None, at: 
     fmt = weight_format(d.weight_dtype)
     kv_name = d.kv_dtype if d.kv_dtype != "auto" else ("bf16" if fmt.bytes_per_param <= 2 else fmt.name)
     if d.tp > 1 and model.num_heads % d.tp:
-        raise InputError(f"tp={d.tp} does not divide {model.name}'s {model.num_heads} attention heads",
-                         field=field_of("tp"))
+        valid = [t for t in range(1, max(hw.node_size, 1) + 1) if model.num_heads % t == 0]
+        raise InputError(f"tp={d.tp} does not divide {model.name}'s {model.num_heads} attention heads; use one that "
+                         f"does: {', '.join(map(str, valid))}", field=field_of("tp"))
     if d.pp > model.num_layers:
         raise InputError(f"pp={d.pp} exceeds {model.name}'s {model.num_layers} layers", field=field_of("pp"))
     if d.tp * d.pp > 1 and hw.link_bandwidth_bytes_s <= 0:
