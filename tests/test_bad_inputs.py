@@ -92,8 +92,6 @@ def _case_file(cid: str) -> str | None:
 
 def check_case(cid: str, rc, stderr: str, stdout: str, new: list[str]) -> None:
     case = CASES[cid]
-    if case.get("requires") and f"invalid choice: '{case['requires']}'" in stderr:
-        pytest.skip(f"`simengine {case['requires']}` is not a subcommand yet")
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert "Traceback" not in stderr + stdout, stderr[-2000:]
     assert rc == 2, f"exit {rc}, stderr: {stderr[-1500:]}"
@@ -104,7 +102,7 @@ def check_case(cid: str, rc, stderr: str, stdout: str, new: list[str]) -> None:
     missing = [w for w in case["expect"] if str(w).lower() not in low]
     assert not missing, f"message lacks {missing}: {msg}"
     f = _case_file(cid)
-    if f and case.get("names_file", True):
+    if f:
         assert f.lower() in low, f"message does not name the file {f}: {msg}"
     assert not new, f"left behind: {new}"
 
@@ -147,7 +145,7 @@ def test_corpus_is_one_file_per_case():
     assert set(SUBPROCESS_SAMPLE) <= set(CASES)
     assert files == cased, (sorted(files - cased), sorted(cased - files))
     for cid, c in CASES.items():
-        assert set(c) <= {"args", "expect", "names_file", "requires", "xfail"}, cid
+        assert set(c) <= {"args", "expect", "xfail"}, cid
         assert c["expect"] and all(isinstance(w, str) for w in c["expect"]), f"{cid}: quote every expect entry"
 
 
