@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simengine.kvcache.block_pool import BlockPool
+from simengine.kvcache.block_pool import FULL_CHECK_BLOCKS, BlockPool
 from simengine.kvcache.manager import KVCacheManager
 from tests.conftest import make_request
 
@@ -110,6 +110,40 @@ def test_random_alloc_free_keeps_invariants(ops):
         kv.free(r)
     kv.pool.check_invariants()
     assert kv.pool.num_free == kv.num_blocks
+
+
+def _corrupt(pool: BlockPool, how: str, used: list[int]) -> None:
+    free = pool.free_blocks()
+    if how == "negative_ref":        # a used block's count below zero, the free count moved to match
+        pool.ref_cnt[used[0]] = -1
+    elif how == "free_block_referenced":   # a queued block referenced, a used one at 0: the counts still agree
+        pool.ref_cnt[free[0]], pool.ref_cnt[used[0]] = 1, 0
+    elif how == "queued_twice":      # a used block's entry replaces a free one's: same length, one block twice
+        pool.free_queue[pool.head] = free[1]
+    elif how == "hash_elsewhere":    # the map sends a hash to a block that holds another
+        h = next(iter(pool.cached))
+        other = next(b for b in used if pool.block_hash[b] != h)
+        pool.block_hash[pool.cached[h]], pool.block_hash[other] = pool.block_hash[other], h
+    elif how == "free_count":
+        pool.num_free -= 1
+
+
+@pytest.mark.parametrize("num_blocks", [64, 8192, 40_000])
+@pytest.mark.parametrize("how", ["negative_ref", "free_block_referenced", "queued_twice", "hash_elsewhere",
+                                 "free_count"])
+def test_check_invariants_catches_each_broken_entry_within_its_stride(how, num_blocks):
+    """A large pool is compared block by block on every (num_blocks / FULL_CHECK_BLOCKS)-th call only: each kind of
+    corruption still raises within that many calls, and a consistent pool never does."""
+    pool = BlockPool(num_blocks, enable_caching=True)
+    used = pool.allocate(8)
+    pool.cache_blocks(used, [1_000 + i for i in range(len(used))])
+    stride = -(-num_blocks // FULL_CHECK_BLOCKS)
+    for _ in range(2 * stride):
+        pool.check_invariants()
+    _corrupt(pool, how, used)
+    with pytest.raises(AssertionError):
+        for _ in range(stride):
+            pool.check_invariants()
 
 
 class ReferencePool:
