@@ -18,11 +18,13 @@ venv: $(STAMP)
 sim: $(STAMP)
 	$(BIN)/simengine run $(SCENARIO)
 
+# the tests spread over every core (pytest-xdist; `-n 0` in PYTEST_ARGS runs them in one process)
+PYTEST_ARGS ?= -n auto
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-all: $(STAMP)   # also the long queueing-theory runs and every bad-input case in its own process
-	SIMENGINE_SLOW=1 $(BIN)/python -m pytest
+	SIMENGINE_SLOW=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest tests/test_fuzz_invariants.py -q -p tests.fuzz_report --hypothesis-profile=fuzz
