@@ -114,11 +114,11 @@ def test_random_alloc_free_keeps_invariants(ops):
 
 def _corrupt(pool: BlockPool, how: str, used: list[int]) -> None:
     free = pool.free_blocks()
-    if how == "negative_ref":        # a used block's count below zero, the free count moved to match
+    if how == "negative_ref":        # a used block's count below zero: no count moves
         pool.ref_cnt[used[0]] = -1
     elif how == "free_block_referenced":   # a queued block referenced, a used one at 0: the counts still agree
         pool.ref_cnt[free[0]], pool.ref_cnt[used[0]] = 1, 0
-    elif how == "queued_twice":      # a used block's entry replaces a free one's: same length, one block twice
+    elif how == "queued_twice":      # the first entry names the second's block: one block twice, one missing
         pool.free_queue[pool.head] = free[1]
     elif how == "hash_elsewhere":    # the map sends a hash to a block that holds another
         h = next(iter(pool.cached))
