@@ -434,3 +434,24 @@ def test_a_device_whose_tables_time_their_host_prices_all_reduce_from_its_link()
     by_link = link["ar_calls"][-1] * terms.allreduce_latency_s + link["ar_link"][-1] / terms.link_fraction
     timed = features(dataclasses.replace(dep.hardware, kernel_tables_comm=True))[2]
     assert timed["meas_comm"][-1] > 3 * by_link
+
+
+@pytest.mark.skipif(data_root() is None, reason="aiconfigurator-core tables not installed")
+@pytest.mark.parametrize("part, sibling", [("h800_sxm", "h100_sxm"), ("a800_80g_sxm", "a100_80g_sxm")])
+def test_an_export_part_runs_its_siblings_kernels_over_its_own_slower_link(part, sibling):
+    """H800 and A800: the H100 SXM's and A100 SXM's die and clocks with NVLink cut to 400 GB/s both ways. Their
+    steps take the sibling's measured GEMMs and attention (the same seconds on one GPU) and price all-reduce from
+    their own link terms (`kernel_tables_comm: false`), so a large tensor-parallel prefill communicates longer."""
+    from simengine.config.scenario import EngineEntry
+    from simengine.sim.build import build_engine, cost_model
+    from simengine.validate.run import prefill_shapes
+
+    def steps(hardware, tp):
+        eng = build_engine(EngineEntry(engine="vllm"), make_dep(hardware, "llama-3.1-8b", tp=tp))
+        return [cost_model(eng).step(s) for s in prefill_shapes(eng, 1, 8192, 0, None)]
+
+    assert [s.seconds for s in steps(part, 1)] == [s.seconds for s in steps(sibling, 1)]
+    cut, full = steps(part, 8), steps(sibling, 8)
+    assert [s.compute_s for s in cut] == [s.compute_s for s in full]
+    # large all-reduces at 8 GPUs: H800 200 against the H100's 445 GB/s bus bandwidth, A800 156 against 222
+    assert sum(s.comm_s for s in cut) > 1.2 * sum(s.comm_s for s in full)
