@@ -12,13 +12,16 @@ REQUIRED_DEVICES = """
 a100_40g_sxm a100_80g_sxm a100_pcie h100_sxm h100_pcie h100_nvl h200_sxm h20 b200 gb200 l40s l4 a10g rtx_4090 rtx_3090
 rtx_pro_6000_blackwell dgx_spark_gb10 jetson_agx_orin_64g jetson_orin_nano mi250x mi300x mi325x mi355x ascend_910b2
 ascend_910b3 ascend_910b4 ascend_910c ascend_310p apple_m1 apple_m1_ultra apple_m2_ultra apple_m3_max apple_m3_ultra
-apple_m4_max apple_m4_pro gaudi2 gaudi3 arc_pro_b60 snapdragon_8_gen3 snapdragon_8_elite""".split()
+apple_m4_max apple_m4_pro gaudi2 gaudi3 arc_pro_b60 snapdragon_8_gen3 snapdragon_8_elite
+gh200 gh200_144g h800_sxm a800_80g_sxm rtx_5090 rtx_6000_ada rtx_a6000 apple_m1_pro apple_m1_max apple_m2 apple_m2_pro
+apple_m2_max apple_m3 apple_m3_pro apple_m4""".split()
 REQUIRED_MODELS = """
 llama-2-7b llama-2-70b llama-3.1-8b llama-3.1-70b llama-3.3-70b llama-3.1-405b qwen2.5-7b qwen2.5-72b qwen3-235b-a22b
 mixtral-8x7b deepseek-v3 internlm2-7b gpt-oss-20b gpt-oss-120b qwen2.5-coder-7b bloom-176b
 llama-3-8b llama-3-70b llama-4-scout-17b-16e llama-4-maverick-17b-128e mixtral-8x22b qwen3-8b qwen3-14b qwen3-32b
 qwen3-30b-a3b deepseek-r1 mistral-nemo-12b gemma-2-9b gemma-2-27b gemma-3-12b gemma-3-27b codellama-34b yi-34b
-phi-4""".split()
+phi-4 qwen2.5-14b qwen2.5-3b qwen2.5-1.5b qwen3-4b qwen3-1.7b qwen3-0.6b mistral-small-24b gemma-3-4b
+deepseek-r1-distill-qwen-7b deepseek-r1-distill-qwen-1.5b""".split()
 
 
 def test_every_required_device_is_in_the_catalog():
@@ -193,6 +196,7 @@ def test_mistral_nemo_explicit_head_dim():
 @pytest.mark.parametrize("name, layers, sliding, window, head_dim", [
     ("gemma-2-9b", 42, 21, 4096, 256),    # every other layer (0, 2, 4, ...) slides
     ("gemma-2-27b", 46, 23, 4096, 128),
+    ("gemma-3-4b", 34, 29, 1024, 256),    # 5 x (5 + 1) + 4 local
     ("gemma-3-12b", 48, 40, 1024, 256),   # 5 local : 1 global; head_dim from Gemma3TextConfig's default
     ("gemma-3-27b", 62, 52, 1024, 128),   # 10 x (5 + 1) + 2 local
 ])
@@ -215,6 +219,8 @@ def test_gemma_3_text_config_defaults():
     m = load_model("gemma-3-27b")  # text_config omits vocab_size, max_position_embeddings and the tie flag
     assert (m.vocab_size, m.max_model_len, m.model_type) == (262208, 131072, "gemma3_text")
     assert m.total_params == 27_008_663_808 and load_model("gemma-3-12b").total_params == 11_765_640_960
+    small = load_model("gemma-3-4b")  # its text_config omits the head counts too (the defaults, 8 and 4)
+    assert (small.num_heads, small.num_kv_heads, small.total_params) == (8, 4, 3_880_071_680)
 
 
 def test_family_defaults_yield_to_the_file(tmp_path):
@@ -231,9 +237,45 @@ def test_family_defaults_yield_to_the_file(tmp_path):
     ("codellama-34b", 48, 64, 8, 32000, 16384),
     ("yi-34b", 60, 56, 8, 64000, 4096),
     ("phi-4", 40, 40, 10, 100352, 16384),
+    ("qwen2.5-14b", 48, 40, 8, 152064, 131072),
+    ("mistral-small-24b", 40, 32, 8, 131072, 32768),      # head_dim 128 explicit: 5120 / 32 would be 160
+    ("deepseek-r1-distill-qwen-7b", 28, 28, 4, 152064, 131072),
+    ("deepseek-r1-distill-qwen-1.5b", 28, 12, 2, 151936, 131072),  # untied, unlike qwen2.5-1.5b
 ])
 def test_dense_gqa_models(name, layers, heads, kv_heads, vocab, context):
     m = load_model(name)
     assert (m.num_layers, m.num_heads, m.num_kv_heads, m.vocab_size, m.max_model_len) == (
         layers, heads, kv_heads, vocab, context)
     assert m.head_dim == 128 and not m.tie_word_embeddings and not m.is_moe
+
+
+@pytest.mark.parametrize("name, layers, hidden, heads, kv_heads, ffn, vocab, context, total", [
+    # small Qwen checkpoints share the input embedding with the LM head (tie_word_embeddings true)
+    ("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, 32768, 3_085_846_528),
+    ("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, 131072, 1_543_656_960),
+    ("qwen3-4b", 36, 2560, 32, 8, 9728, 151936, 40960, 4_022_458_880),
+    ("qwen3-1.7b", 28, 2048, 16, 8, 6144, 151936, 40960, 1_720_567_808),
+    ("qwen3-0.6b", 28, 1024, 16, 8, 3072, 151936, 40960, 596_042_752),
+])
+def test_small_tied_models(name, layers, hidden, heads, kv_heads, ffn, vocab, context, total):
+    m = load_model(name)
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size,
+            m.max_model_len) == (layers, hidden, heads, kv_heads, ffn, vocab, context)
+    assert m.head_dim == 128 and m.tie_word_embeddings and not m.is_moe  # Qwen3: head_dim given explicitly
+    assert m.total_params == total
+    assert m.kv_bytes_per_token(2) == layers * 2 * kv_heads * 128 * 2
+
+
+def test_deepseek_r1_distills_alias_only_identical_architectures():
+    for distill, base in (("deepseek-r1-distill-llama-8b", "llama-3.1-8b"),
+                          ("deepseek-r1-distill-llama-70b", "llama-3.1-70b"),
+                          ("deepseek-r1-distill-qwen-14b", "qwen2.5-14b"),
+                          ("deepseek-r1-distill-qwen-32b", "qwen2.5-32b")):
+        assert model_names()[distill] == model_names()[base]
+        assert load_model(distill).total_params == load_model(base).total_params
+    # the 1.5B distill is untied (its own lm_head) and the 7B one has rope_theta 1e4: own entries, not aliases
+    d15, q15 = load_model("deepseek-r1-distill-qwen-1.5b"), load_model("qwen2.5-1.5b")
+    assert not d15.tie_word_embeddings and q15.tie_word_embeddings
+    assert d15.total_params - q15.total_params == 151936 * 1536
+    assert model_names()["deepseek-r1-distill-qwen-7b"] != model_names()["qwen2.5-7b"]
+    assert load_model("deepseek-r1-distill-qwen-7b").total_params == load_model("qwen2.5-7b").total_params

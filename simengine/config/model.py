@@ -151,13 +151,15 @@ def model_from_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
 
 # Defaults of the transformers config classes for keys a checkpoint's config.json may leave out: transformers
 # writes a multimodal model's text_config as a diff against its class defaults, so google/gemma-3-*-it's text_config
-# has no vocab_size, head_dim, max_position_embeddings or tie flag. Only the keys that change the derived shape are
-# listed (values from transformers' Gemma2Config / Gemma3TextConfig / Llama4TextConfig).
+# has no vocab_size, head_dim, max_position_embeddings or tie flag (and gemma-3-4b-it's none of its head counts, which
+# equal the defaults, 8 and 4). Only the keys that change the derived shape are listed (values from transformers'
+# Gemma2Config / Gemma3TextConfig / Llama4TextConfig).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"tie_word_embeddings": True},
     "gemma2": {"tie_word_embeddings": True, "sliding_window_pattern": 2},  # even layers slide, odd ones are global
     "gemma3_text": {"tie_word_embeddings": True, "vocab_size": 262208, "head_dim": 256,
-                    "max_position_embeddings": 131072, "sliding_window": 4096, "sliding_window_pattern": 6},
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                    "sliding_window": 4096, "sliding_window_pattern": 6},
     "llama4_text": {"tie_word_embeddings": False, "no_rope_layer_interval": 4},
 }
 # Families with an always-on shared expert of the routed experts' width but no config key counting it.
