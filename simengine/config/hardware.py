@@ -65,6 +65,9 @@ class HardwareYaml:
     memory_gb: float
     memory_bandwidth_gb_s: float
     peak_tflops: dict[str, float]
+    # dense FP16 tensor rate with FP16 accumulate where it exceeds peak_tflops.fp16 (GeForce dies: twice the
+    # FP32-accumulate rate stored there); what a library call computing in FP16 reaches (llama.cpp's cuBLAS path)
+    fp16_accumulate_tflops: float | None = None
     interconnect: InterconnectYaml
     node_size: int
     network: NetworkYaml | None = None        # across nodes; none: no modelled transfer leaves the node
@@ -110,6 +113,7 @@ class Hardware:
     kernel_tables_comm: bool = True   # the tables' all-reduce times price the interconnect (false: the link terms do)
     sm_count: int | None = None
     boost_clock_hz: float | None = None
+    fp16_accumulate_flops: float | None = None   # FP16 tensor rate with FP16 accumulate where above peak_flops["fp16"]
     # the physical terms' values before `simengine calibrate` fitted them (calibration.prior_<term> in the YAML)
     calibration_priors: dict[str, float] = field(default_factory=dict)
     network_bandwidth_bytes_s: float = 0.0   # per device and direction across nodes (0: none described)
@@ -150,7 +154,8 @@ _LIMITS = {"memory_gb": 4096.0, "memory_bandwidth_gb_s": 100_000.0, "peak_tflops
            "interconnect.bandwidth_gb_s_per_direction": 100_000.0, "interconnect.latency_us": 1e6,
            "interconnect.custom_allreduce_latency_us": 1e6, "network.bandwidth_gb_s_per_device": 100_000.0,
            "network.latency_us": 1e6, "host_link.bandwidth_gb_s": 100_000.0, "host_link.latency_us": 1e6,
-           "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0, "sm_count": 10_000.0, "boost_clock_mhz": 10_000.0}
+           "tdp_w": 100_000.0, "price_usd_per_hour": 10_000.0, "sm_count": 10_000.0, "boost_clock_mhz": 10_000.0,
+           "fp16_accumulate_tflops": 100_000.0}
 
 
 def _check_range(value: float | None, field: str, src: str, *, allow_zero: bool = False) -> None:
@@ -182,6 +187,11 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
     _check_range(y.interconnect.latency_us, "interconnect.latency_us", src, allow_zero=True)
     _check_range(y.tdp_w, "tdp_w", src)
     _check_range(y.price_usd_per_hour, "price_usd_per_hour", src, allow_zero=True)
+    _check_range(y.fp16_accumulate_tflops, "fp16_accumulate_tflops", src)
+    if y.fp16_accumulate_tflops is not None and y.fp16_accumulate_tflops < y.peak_tflops.get("fp16", math.inf):
+        raise InputError(f"is {y.fp16_accumulate_tflops}, below peak_tflops.fp16: give it only where FP16 accumulate "
+                         "runs faster than the stored fp16 rate (GeForce: twice), else leave it out",
+                         source=src, field="fp16_accumulate_tflops")
     _check_range(y.sm_count, "sm_count", src)
     _check_range(y.boost_clock_mhz, "boost_clock_mhz", src)
     if (y.sm_count is None) != (y.boost_clock_mhz is None):
@@ -238,6 +248,7 @@ def _to_hardware(y: HardwareYaml, path: Path) -> Hardware:
                                     else y.interconnect.custom_allreduce_latency_us * 1e-6),
         kernel_tables=y.kernel_tables, kernel_tables_comm=y.kernel_tables_comm, path=src, sm_count=y.sm_count,
         boost_clock_hz=None if y.boost_clock_mhz is None else y.boost_clock_mhz * 1e6,
+        fp16_accumulate_flops=None if y.fp16_accumulate_tflops is None else y.fp16_accumulate_tflops * 1e12,
         network_bandwidth_bytes_s=0.0 if y.network is None else y.network.bandwidth_gb_s_per_device * 1e9,
         network_latency_s=0.0 if y.network is None else y.network.latency_us * 1e-6,
         host_link_bandwidth_bytes_s=0.0 if y.host_link is None else y.host_link.bandwidth_gb_s * 1e9,

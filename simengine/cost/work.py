@@ -66,8 +66,8 @@ class StepWork:
                  engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
                  expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0):
         m = self.model = model
-        # the FLOP/s the engine's own kernels reach on these weights' layer GEMMs where they are not the vendor
-        # library's (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
+        # the FLOP/s the engine reaches on these weights' layer GEMMs where its own kernels or its own way of calling
+        # the vendor library set it (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
         self.engine_gemm_flops_s = engine_gemm_flops_s
         # the same for the attention kernel (EnginePolicy.engine_attention_flops_s: llama.cpp's FlashAttention)
         self.engine_attention_flops_s = engine_attention_flops_s

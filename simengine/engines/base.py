@@ -87,8 +87,9 @@ class EnginePolicy(RemoteKV, ABC):
         return spec.proposals(req, batch, self.max_model_len) if spec is not None else 0
 
     def engine_gemm_flops_s(self) -> float | None:
-        """FLOP/s the engine's own kernels reach on its deployment's layer GEMMs where they are not the vendor
-        library's (cost/work.py StepWork.engine_gemm_flops_s); None: the device's GEMM at its gemm_fraction."""
+        """FLOP/s the engine reaches on its deployment's layer GEMMs where its own kernels, or its own way of calling
+        the vendor library, set the rate (cost/work.py StepWork.engine_gemm_flops_s); None: the device's GEMM at its
+        gemm_fraction."""
         return None
 
     def engine_attention_flops_s(self) -> float | None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simengine.config.dtypes import resolve_compute_dtype
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
+from simengine.engines import llamacpp_kernels
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s
 from simengine.engines.llamacpp_config import (
@@ -36,33 +36,6 @@ from simengine.engines.memory import Deployment
 from simengine.engines.speculative import Speculation, with_proposer
 
 EMPTY = np.zeros(0, dtype=np.int32)
-# ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
-# tensor-core tiles, dequantised per block in registers) for batches over 8; 16/32-bit weights go to cuBLAS.
-MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
-# MMQ's throughput is a fixed amount of work per SM per cycle, not a share of the tensor peak: RTX 4090 (Ada, 128 SMs
-# at 2.52 GHz) runs Llama-3-8B Q4_0 pp512 at 10358.75 tok/s with MMQ on tensor cores (ggml-org/llama.cpp PR #7676,
-# ubatch 512), i.e. 2 x 6.98e9 layer weights x 10358.75 / (128 x 2.52e9) = 448 FLOP per SM per cycle (the step's
-# attention, ~1%, included). That is 22% of Ada's and GA102's int8 tensor peak per SM but 11% of GA100's, whose
-# SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
-# predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
-MMQ_FLOPS_PER_SM_CYCLE = 448.0
-# ggml-cuda's FlashAttention kernel (fattn-mma-f16: f16 K/V tiles on tensor cores, softmax on the CUDA cores) is
-# llama.cpp's own too, and like MMQ its prompt throughput is a fixed amount of work per SM per cycle rather than a
-# share of the FP16 peak: RTX 3090 (82 SMs at 1.695 GHz) runs Llama-3-8B Q4_0 pp512 @ d32768 at 1470.93 tok/s
-# (ggml-org/llama.cpp PR #17505, master, ubatch 512), 348 ms a ubatch of which 121 ms are the layer GEMMs and other
-# work at depth 0 as simulated here (MMQ above), leaving 227 ms for 9.0e12 FLOP of attention (4 x 4096 FLOP per
-# query-key pair, 32 layers, 512 x 33,024 pairs): 39.6 TFLOP/s = 285 FLOP per SM per cycle, 56 % of GA102's FP16
-# tensor rate with FP32 accumulation. Applies with MMQ's condition (an NVIDIA device whose YAML gives sm_count and
-# boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 380), not on A100 or Hopper.
-FA_FLOPS_PER_SM_CYCLE = 285.0
-MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
-# ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
-# converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's
-# gemm_fraction describes. On M2 Ultra (76-core GPU, 27.2 TFLOPS FP16) LLaMA-7B F16 pp512 runs at 1265.30 tok/s
-# (ggml-org/llama.cpp PR #3084, M2 Ultra table), i.e. 2 x 6.48e9 layer weights x 1265.30 / 27.2e12 = 0.60 of the
-# FP16 peak (the step's attention and other ops, ~2%, included), where MPS reaches 0.86 (hardware/apple/*.yaml).
-# The same table has quantized weights ~8% slower (Q4_0 1164.00 tok/s: the conversion), which is not modelled.
-METAL_MUL_MM_PEAK_FRACTION = 0.60
 
 
 @dataclass(slots=True, eq=False)
@@ -122,26 +95,15 @@ class LlamaCppEngine(EnginePolicy):
         return llamacpp_speculation(params, dep)
 
     def engine_gemm_flops_s(self) -> float | None:
-        """ggml's own GEMM rate where it does not call the vendor library: MMQ for quantized weights on an NVIDIA
-        device of known SMs and clock, kernel_mul_mm on Apple GPUs (else None: the device's GEMM)."""
-        hw = self.dep.hardware
-        if hw.vendor == "apple":
-            return METAL_MUL_MM_PEAK_FRACTION * hw.peak(resolve_compute_dtype(self.dep.weight_format, hw.peak_flops,
-                                                                              hw.name))
-        if hw.vendor != "nvidia" or self.dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
-            return None
-        return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
+        return llamacpp_kernels.gemm_flops_s(self.dep)
 
     def engine_attention_flops_s(self) -> float | None:
-        """ggml-cuda's FlashAttention rate on an NVIDIA device of known SMs and clock (else None: the device's
-        attention peak)."""
-        hw = self.dep.hardware
-        return FA_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s if hw.vendor == "nvidia" and hw.sm_clocks_per_s else None
+        return llamacpp_kernels.attention_flops_s(self.dep)
 
     def expert_tile_columns(self) -> int | None:
         """MMQ's widest token tile (mmq_x_max 128 with tensor-core MMA, ggml-cuda/mmq.cuh) where MMQ multiplies the
         experts: each expert computes its tokens in whole tiles (cost/work.py padded_expert_tokens)."""
-        return MMQ_MAX_TILE_COLUMNS if self.engine_gemm_flops_s() and self.dep.hardware.vendor == "nvidia" else None
+        return llamacpp_kernels.MMQ_MAX_TILE_COLUMNS if llamacpp_kernels.mmq_flops_s(self.dep) else None
 
     def make_timing(self) -> EngineTiming:
         hw = self.dep.hardware

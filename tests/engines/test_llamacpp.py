@@ -10,7 +10,8 @@ from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.batch import BatchShape
 from simengine.core.request import Status
-from simengine.engines.llamacpp import FA_FLOPS_PER_SM_CYCLE, MMQ_FLOPS_PER_SM_CYCLE, LlamaCppEngine, LlamaCppParams
+from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
+from simengine.engines.llamacpp_kernels import FA_FLOPS_PER_SM_CYCLE, MMQ_FLOPS_PER_SM_CYCLE
 from simengine.errors import InputError
 from simengine.sim.build import build_engine, cost_model
 from tests.conftest import make_dep, make_request
@@ -218,8 +219,9 @@ def test_cuda_graph_only_for_single_token_batches():
 def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     a100 = engine(make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="q4_0"))
     assert a100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 108 * 1.41e9)
-    # 16-bit weights go to cuBLAS (the device's GEMM fraction); devices of unknown SMs keep it too
-    for hw, dtype in (("a100_80g_sxm", "fp16"), ("b200", "q4_0")):
+    # BF16 weights go to cuBLAS computing in FP32 (the device's GEMM fraction; F16 below); devices of unknown SMs
+    # keep it too
+    for hw, dtype in (("a100_80g_sxm", "bf16"), ("b200", "q4_0")):
         assert engine(make_dep(hw, model="llama-2-7b", weight_dtype=dtype)).engine_gemm_flops_s() is None
     # pp512: A100 has 4.4x the RTX 3090's fp16 tensor peak but about the same SMs x clock (1.10x), and llama.cpp's
     # published prefill speeds of the two are within 2% (docs/validation.md)
@@ -231,6 +233,23 @@ def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
     # Hopper: its tensor clock (1.83 GHz on the SXM5), not the FP32 clock, with its 132 SMs
     h100 = engine(make_dep("h100_sxm", model="llama-2-7b", weight_dtype="q4_0"))
     assert h100.engine_gemm_flops_s() == pytest.approx(MMQ_FLOPS_PER_SM_CYCLE * 132 * 1.83e9)
+
+
+def test_f16_weights_run_through_cublas_in_fp16_at_llama_cpps_published_share_of_that_peak():
+    """F16 weights: cuBLAS computing in FP16 (CUBLAS_COMPUTE_16F) at CUBLAS_F16_PEAK_FRACTION of the FP16-accumulate
+    tensor peak, which on a GeForce die is twice the FP32-accumulate fp16 its YAML stores, not a large GEMM's share
+    of the stored peak. The RTX 4090 row the fraction comes from and the same year's A100 and RTX 3090 runs
+    (PRs #4766 and #6017, LLaMA 7B F16 pp512) come out within 15 %; no MMQ tiles pad F16 experts."""
+    from simengine.engines.llamacpp_kernels import CUBLAS_F16_PEAK_FRACTION
+    rtx = engine(make_dep("rtx_4090", model="llama-2-7b", weight_dtype="fp16"))
+    assert rtx.engine_gemm_flops_s() == pytest.approx(CUBLAS_F16_PEAK_FRACTION * 330.3e12)
+    a100 = engine(make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="fp16"))
+    assert a100.engine_gemm_flops_s() == pytest.approx(CUBLAS_F16_PEAK_FRACTION * 312e12)
+    assert engine(make_dep("a100_80g_sxm", model="qwen3-30b-a3b", weight_dtype="fp16")).expert_tile_columns() is None
+    for hw, measured in (("rtx_4090", 11048.22), ("a100_pcie", 8668.24), ("rtx_3090", 4184.85)):
+        eng = engine(make_dep(hw, model="llama-2-7b", weight_dtype="fp16"))
+        step = cost_model(eng).step(BatchShape(prefill_chunks=[(512, 0)], num_logits=1))
+        assert 512 / step.seconds == pytest.approx(measured, rel=0.15), hw
 
 
 def test_flash_attention_runs_at_its_own_rate_per_sm_cycle():
@@ -302,7 +321,7 @@ def test_apple_gpus_multiply_with_ggml_metal_kernels_not_the_mps_rate():
     """ggml-metal's kernel_mul_mm reaches 0.60 of the FP16 peak (PR #3084's M2 Ultra F16 pp512) for every weight
     format, below the 0.86 of Apple's MPS GEMM that the device's gemm_fraction holds: a compute-bound prefill slows
     by their ratio, and decode (the weight stream) does not change."""
-    from simengine.engines.llamacpp import METAL_MUL_MM_PEAK_FRACTION
+    from simengine.engines.llamacpp_kernels import METAL_MUL_MM_PEAK_FRACTION
     for dtype in ("q4_0", "fp16", "q8_0"):
         eng = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype=dtype))
         assert eng.engine_gemm_flops_s() == pytest.approx(METAL_MUL_MM_PEAK_FRACTION * 27.2e12)

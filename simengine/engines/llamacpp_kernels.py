@@ -1,0 +1,70 @@
+"""ggml's kernel rates: what llama.cpp's layer GEMMs and attention reach where its own kernels, or its own way of
+calling cuBLAS, set the rate (EnginePolicy.engine_gemm_flops_s, engine_attention_flops_s, expert_tile_columns)."""
+
+from __future__ import annotations
+
+from simengine.config.dtypes import resolve_compute_dtype
+from simengine.engines.memory import Deployment
+
+# ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
+# tensor-core tiles, dequantised per block in registers) for batches over 8; 16/32-bit weights go to cuBLAS.
+MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
+# MMQ's throughput is a fixed amount of work per SM per cycle, not a share of the tensor peak: RTX 4090 (Ada, 128 SMs
+# at 2.52 GHz) runs Llama-3-8B Q4_0 pp512 at 10358.75 tok/s with MMQ on tensor cores (ggml-org/llama.cpp PR #7676,
+# ubatch 512), i.e. 2 x 6.98e9 layer weights x 10358.75 / (128 x 2.52e9) = 448 FLOP per SM per cycle (the step's
+# attention, ~1%, included). That is 22% of Ada's and GA102's int8 tensor peak per SM but 11% of GA100's, whose
+# SMs have twice the int8 rate: llama.cpp's published pp512 on A100 and RTX 3090 are equal within 2%, as SMs x clock
+# predicts (docs/validation.md). Applies where the hardware YAML gives sm_count and boost_clock_mhz.
+MMQ_FLOPS_PER_SM_CYCLE = 448.0
+# ggml-cuda's FlashAttention kernel (fattn-mma-f16: f16 K/V tiles on tensor cores, softmax on the CUDA cores) is
+# llama.cpp's own too, and like MMQ its prompt throughput is a fixed amount of work per SM per cycle rather than a
+# share of the FP16 peak: RTX 3090 (82 SMs at 1.695 GHz) runs Llama-3-8B Q4_0 pp512 @ d32768 at 1470.93 tok/s
+# (ggml-org/llama.cpp PR #17505, master, ubatch 512), 348 ms a ubatch of which 121 ms are the layer GEMMs and other
+# work at depth 0 as simulated here (MMQ above), leaving 227 ms for 9.0e12 FLOP of attention (4 x 4096 FLOP per
+# query-key pair, 32 layers, 512 x 33,024 pairs): 39.6 TFLOP/s = 285 FLOP per SM per cycle, 56 % of GA102's FP16
+# tensor rate with FP32 accumulation. Applies with MMQ's condition (an NVIDIA device whose YAML gives sm_count and
+# boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 380), not on A100 or Hopper.
+FA_FLOPS_PER_SM_CYCLE = 285.0
+MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
+# ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
+# converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's
+# gemm_fraction describes. On M2 Ultra (76-core GPU, 27.2 TFLOPS FP16) LLaMA-7B F16 pp512 runs at 1265.30 tok/s
+# (ggml-org/llama.cpp PR #3084, M2 Ultra table), i.e. 2 x 6.48e9 layer weights x 1265.30 / 27.2e12 = 0.60 of the
+# FP16 peak (the step's attention and other ops, ~2%, included), where MPS reaches 0.86 (hardware/apple/*.yaml).
+# The same table has quantized weights ~8% slower (Q4_0 1164.00 tok/s: the conversion), which is not modelled.
+METAL_MUL_MM_PEAK_FRACTION = 0.60
+# ggml-cuda sends F16 weights to cuBLAS for batches over a few tokens (ggml_cuda_mul_mat_cublas: the activations
+# converted to F16, cublasGemmEx computing in FP16, CUBLAS_COMPUTE_16F, the result converted back to F32, one call per
+# weight matrix at the ubatch's token count), so at the FP16-accumulate tensor rate, twice the FP32-accumulate rate
+# on GeForce dies (the YAML's fp16_accumulate_tflops), and far below a large cuBLAS GEMM's share of it. On an RTX 4090
+# (330.3 TFLOPS with FP16 accumulate) LLaMA 7B F16 pp512 runs at 11048.22 tok/s (ggml-org/llama.cpp PR #4766,
+# 2024-01), i.e. 2 x 6.48e9 layer weights x 11048.22 / 330.3e12 = 0.43 of that peak (the step's other ops included).
+# Judged on the same year's other published runs (docs/validation.md): A100 80GB PCIe 8668.24 tok/s (PR #6017: 0.36
+# of 312 TFLOPS), RTX 3090 4184.85 (PR #4766 master: 0.38 of 142), RTX A6000 and RTX 6000 Ada.
+CUBLAS_F16_PEAK_FRACTION = 0.43
+
+
+def gemm_flops_s(dep: Deployment) -> float | None:
+    """ggml's layer-GEMM rate: kernel_mul_mm on Apple GPUs, cuBLAS in FP16 for F16 weights on NVIDIA, MMQ for
+    quantized weights on an NVIDIA device of known SMs and clock (else None: the device's GEMM)."""
+    hw = dep.hardware
+    if hw.vendor == "apple":
+        return METAL_MUL_MM_PEAK_FRACTION * hw.peak(resolve_compute_dtype(dep.weight_format, hw.peak_flops, hw.name))
+    if hw.vendor == "nvidia" and dep.weight_format.name == "fp16" and "fp16" in hw.peak_flops:
+        return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
+    return mmq_flops_s(dep)
+
+
+def mmq_flops_s(dep: Deployment) -> float | None:
+    """MMQ's rate for quantized weights on an NVIDIA device of known SMs and clock (else None)."""
+    hw = dep.hardware
+    if hw.vendor != "nvidia" or dep.weight_format.name not in MMQ_WEIGHT_DTYPES or not hw.sm_clocks_per_s:
+        return None
+    return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
+
+
+def attention_flops_s(dep: Deployment) -> float | None:
+    """ggml-cuda's FlashAttention rate on an NVIDIA device of known SMs and clock (else None: the device's attention
+    peak)."""
+    hw = dep.hardware
+    return FA_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s if hw.vendor == "nvidia" and hw.sm_clocks_per_s else None
