@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simengine.config.dtypes import WEIGHT_FORMATS
+from simengine.config.model import load_model
 from simengine.core.batch import BatchShape
 from simengine.cost import step as step_module
 from simengine.cost.measured import MeasuredKernels, data_root, read_table, table_file
@@ -302,7 +303,18 @@ def test_decode_runs_from_tables_are_decode_steps_bit_for_bit(case, measured, gr
 
 def test_weight_formats_know_their_lm_head_bytes():
     assert WEIGHT_FORMATS["q4_0"].lm_head_bytes_per_param == 210 / 256
+    assert WEIGHT_FORMATS["q4_k_m"].lm_head_bytes_per_param == 210 / 256
     assert WEIGHT_FORMATS["bf16"].lm_head_bytes_per_param == 2.0
+
+
+@pytest.mark.parametrize("model, gib", [("llama-3-8b", 4.58), ("llama-3-70b", 39.59), ("llama-2-7b", 3.80)])
+def test_q4_k_m_files_weigh_what_llama_bench_prints(model, gib):
+    """Q4_K_M's layer average, q6_K output and q4_K token embedding add up to the GGUF sizes llama-bench prints
+    (XiongjieDai/GPU-Benchmarks-on-LLM-Inference for Llama 3, ggml-org/llama.cpp PR #3776 for Llama 2)."""
+    m = load_model(model)
+    fmt = WEIGHT_FORMATS["q4_k_m"]
+    total = m.dense_linear_params * fmt.bytes_per_param + m.lm_head_params * (fmt.lm_head_bytes_per_param + 144 / 256)
+    assert total / 2**30 == pytest.approx(gib, rel=0.01)
 
 
 def test_a_local_profile_is_read_as_measured_tables_for_any_engine(tmp_path, monkeypatch):

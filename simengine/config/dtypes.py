@@ -43,6 +43,15 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "q4_0": WeightFormat("q4_0", 18 / 32, "fp16", source="ggml block_q4_0: fp16 scale + 16 bytes per 32",
                          lm_head_bytes=210 / 256),
     "q8_0": WeightFormat("q8_0", 34 / 32, "fp16", source="ggml block_q8_0: fp16 scale + 32 bytes per 32"),
+    # Q4_K_M, the mix llama-quantize writes for that name: q4_K (144 bytes per 256 weights: fp16 scale and min, 12
+    # bytes of 6-bit sub-block scales, 128 of 4-bit weights) for every layer weight except ffn_down and attn_v in
+    # half the layers (llama-quant.cpp use_more_bits: the first and last eighth and every third between), which get
+    # q6_K (210 bytes per 256), and q6_K for output.weight. On Llama shapes that averages 4.80 bits a layer weight
+    # (Llama-2-7B 4.815, Llama-3-8B 4.797, Llama-3-70B 4.798 with its q5_K attn_v); check: Llama-3-8B Q4_K_M is
+    # 4.58 GiB by llama-bench (XiongjieDai/GPU-Benchmarks-on-LLM-Inference), 4.57 GiB by this count with a q4_K
+    # token_embd.
+    "q4_k_m": WeightFormat("q4_k_m", 4.80 / 8, "fp16", lm_head_bytes=210 / 256,
+                           source="llama-quantize Q4_K_M: q4_K with q6_K ffn_down/attn_v in half the layers"),
     # OCP MX FP4: 32 elements share one 8-bit E8M0 scale -> 4.25 bits (OCP Microscaling spec v1.0).
     "mxfp4": WeightFormat("mxfp4", 4.25 / 8, "fp4", fallback_compute="bf16", lm_head_bytes=2.0,
                           source="OCP MX spec v1.0; Hopper dequantises to bf16 (Marlin/Triton MoE kernels)"),
@@ -51,6 +60,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
                           lm_head_bytes=2.0),
 }
 WEIGHT_FORMATS["fp4"] = WEIGHT_FORMATS["nvfp4"]  # validation CSV spelling of NVFP4
+# ggml block formats: GGUF files that llama.cpp runs and the CUDA engines do not load
+GGML_FORMATS = ("q4_0", "q8_0", "q4_k_m")
 
 # KV cache element bytes (engine kv-cache-dtype options; int4/int8 per LMDeploy quant_policy).
 KV_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}

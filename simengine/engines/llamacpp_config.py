@@ -16,7 +16,7 @@ from simengine.errors import CannotRun, InputError
 MIB = 2**20
 # ESTIMATE: driver context outside ggml's buffers (CUDA context 0.3-0.5 GiB; Metal/Vulkan/OpenCL similar).
 DRIVER_CONTEXT_BYTES = 0.4 * GIB
-GGUF_WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "mxfp4")  # ggml tensor types llama.cpp runs
+GGUF_WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_k_m", "mxfp4")  # ggml tensor types llama.cpp runs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +33,9 @@ class LlamaCppParams(Checked):
     fit_ctx: Tokens = 4096               # --fit-ctx: smallest n_ctx --fit shrinks to (common.h fit_params_min_ctx)
     batch_size: Tokens = 2048            # -b: logical batch n_batch (common.h)
     ubatch_size: Tokens = 512            # -ub: physical batch n_ubatch (common.h)
+    # build option GGML_CUDA_FORCE_CUBLAS (off; ggml-org/llama.cpp PR #8075, b3216): quantized weights in ubatches
+    # over 32 tokens dequantized to F16 for cuBLAS instead of MMQ, as CUDA builds before b3216 did on tensor-core GPUs
+    cuda_force_cublas: bool = False
     cont_batching: bool = True           # -cb (common.h cont_batching)
     context_shift: bool = False          # --context-shift (common.h ctx_shift)
     cache_prompt: bool = True            # request field cache_prompt, on by default (common.h)
@@ -61,7 +64,7 @@ def llamacpp_check_deployment(dep: Deployment) -> None:
     refuse_gaudi(dep.hardware, "llama.cpp")
     if dep.weight_format.name not in GGUF_WEIGHT_DTYPES:
         raise InputError(f"llama.cpp runs GGUF weights; '{dep.weight_format.name}' has no ggml type; valid: "
-                         f"{', '.join(GGUF_WEIGHT_DTYPES)} (q8_0/q4_0 are the 8- and 4-bit GGUF formats)",
+                         f"{', '.join(GGUF_WEIGHT_DTYPES)} (q8_0, q4_0 and q4_k_m are GGUF's 8- and 4-bit formats)",
                          field="deployment.weight_dtype")
     if dep.kv_dtype == "fp8":
         raise InputError("llama.cpp has no fp8 KV cache type (-ctk/-ctv: f16, bf16, q8_0, q4_0, ...); use bf16, "

@@ -23,6 +23,7 @@ from collections import deque
 
 import numpy as np
 
+from simengine.config.dtypes import GGML_FORMATS
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
@@ -53,7 +54,7 @@ class LmdeployEngine(EnginePolicy):
 
     def __init__(self, params: LmdeployParams, dep: Deployment):
         p = params
-        if dep.weight_format.name in ("q4_0", "q8_0"):
+        if dep.weight_format.name in GGML_FORMATS:
             raise InputError(f"TurboMind does not load ggml {dep.weight_format.name} weights; use bf16/fp16, int4 "
                              "(AWQ/GPTQ W4A16) or fp8", field="deployment.weight_dtype")
         dep = turbomind_kv(dep, p.quant_policy)

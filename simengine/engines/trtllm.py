@@ -21,6 +21,7 @@ from __future__ import annotations
 from bisect import insort
 from itertools import islice
 
+from simengine.config.dtypes import GGML_FORMATS
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
@@ -31,7 +32,6 @@ from simengine.engines.paged import PagedEngine
 from simengine.engines.speculative import Speculation
 from simengine.engines.trtllm_capacity import CompletionReservations, MicroBatchBudget, arrival_order
 from simengine.engines.trtllm_config import (
-    GGML_FORMATS,
     TrtllmParams,
     trtllm_capture_sizes,
     trtllm_kv_cache,

@@ -16,7 +16,6 @@ from simengine.kvcache.host_tier import host_tier
 from simengine.kvcache.manager import KVCacheManager
 
 CapacityPolicy = Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
-GGML_FORMATS = ("q4_0", "q8_0")
 
 
 @dataclass(frozen=True, kw_only=True)
