@@ -64,7 +64,8 @@ class StepWork:
     def __init__(self, model: ModelSpec, hw: Hardware, *, weight_format: WeightFormat, kv_elem_bytes: float,
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
                  engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
-                 expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0):
+                 expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0,
+                 dequantize_above_tokens: int | None = None):
         m = self.model = model
         # the FLOP/s the engine reaches on these weights' layer GEMMs where its own kernels or its own way of calling
         # the vendor library set it (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
@@ -78,6 +79,11 @@ class StepWork:
         # times the engine's decode attention kernel reads each KV head's cache from memory in a step: 1 where a
         # thread block computes every query head of its KV head's group (EnginePolicy.decode_kv_reads)
         self.decode_kv_reads = decode_kv_reads
+        # steps over this many tokens first dequantize the layers' quantized weights to 16 bit (a pass reading the
+        # stored bytes and writing the copy), and the GEMMs then read the copy (EnginePolicy.dequantize_above_tokens:
+        # llama.cpp's cuBLAS path for quantized weights); None: the GEMMs read the stored weights
+        self.dequantize_above_tokens = dequantize_above_tokens
+        self.dequant_copy_ratio = ACT_BYTES / weight_format.bytes_per_param
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
         self.attention_dp = attention_dp
         # devices a token's attention and dense layers are split over; the group's tokens per rank's token at the
@@ -148,7 +154,17 @@ class StepWork:
                 padding = (np.fromiter(map(self.padded_expert_tokens, np.ravel(tokens).tolist()), float)
                            .reshape(np.shape(tokens)) if np.ndim(tokens) else self.padded_expert_tokens(tokens))
                 flops = flops + m.num_moe_layers * 2.0 * m.expert_params * padding
+        if self.dequantize_above_tokens is not None:
+            weight_bytes = weight_bytes * np.where(tokens > self.dequantize_above_tokens, self.dequant_copy_ratio, 1.0)
         return flops, weight_bytes
+
+    def dequant_bytes(self, tokens):
+        """Bytes the dequantization pass of a step of `tokens` tokens moves: the stored weights read, their 16-bit
+        copy written (zero where the GEMMs read the stored weights)."""
+        if self.dequantize_above_tokens is None:
+            return 0.0 * tokens
+        _, copy_bytes = self.linear(tokens)
+        return copy_bytes * (1.0 + 1.0 / self.dequant_copy_ratio) * (tokens > self.dequantize_above_tokens)
 
     def padded_expert_tokens(self, tokens: float) -> float:
         """Token columns an expert GEMM computes beyond its tokens in a step of `tokens` tokens, over one MoE layer's
@@ -184,7 +200,9 @@ class StepWork:
         return pad
 
     def elementwise_bytes(self, tokens):
-        return tokens * (self.elementwise_bytes_per_token + self.kv_write_bytes_per_token)
+        """Bytes of the memory-bound kernels beside the GEMMs and attention: norms, activation, RoPE, the KV write
+        and any dequantization pass."""
+        return tokens * (self.elementwise_bytes_per_token + self.kv_write_bytes_per_token) + self.dequant_bytes(tokens)
 
     def lm_head(self, logits):
         """(FLOPs, bytes) of the output projection for `logits` tokens (nothing when none needs logits)."""

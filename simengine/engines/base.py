@@ -97,6 +97,11 @@ class EnginePolicy(RemoteKV, ABC):
         StepWork.engine_attention_flops_s); None: the device's attention peak at its gemm_fraction."""
         return None
 
+    def dequantize_above_tokens(self) -> int | None:
+        """Token count above which every step first dequantizes the quantized layer weights to 16 bit for a vendor
+        GEMM (cost/work.py StepWork.dequantize_above_tokens); None: GEMMs read the stored weights."""
+        return None
+
     def decode_kv_reads(self) -> float:
         """Times the engine's decode attention kernel reads each KV head's cache in a step (cost/work.py
         StepWork.decode_kv_reads): 1 where one thread block computes all the query heads that share a KV head."""

@@ -95,7 +95,10 @@ class LlamaCppEngine(EnginePolicy):
         return llamacpp_speculation(params, dep)
 
     def engine_gemm_flops_s(self) -> float | None:
-        return llamacpp_kernels.gemm_flops_s(self.dep)
+        return llamacpp_kernels.gemm_flops_s(self.dep, self.params.cuda_force_cublas)
+
+    def dequantize_above_tokens(self) -> int | None:
+        return llamacpp_kernels.dequantize_above_tokens(self.dep, self.params.cuda_force_cublas)
 
     def engine_attention_flops_s(self) -> float | None:
         return llamacpp_kernels.attention_flops_s(self.dep)
@@ -103,7 +106,8 @@ class LlamaCppEngine(EnginePolicy):
     def expert_tile_columns(self) -> int | None:
         """MMQ's widest token tile (mmq_x_max 128 with tensor-core MMA, ggml-cuda/mmq.cuh) where MMQ multiplies the
         experts: each expert computes its tokens in whole tiles (cost/work.py padded_expert_tokens)."""
-        return llamacpp_kernels.MMQ_MAX_TILE_COLUMNS if llamacpp_kernels.mmq_flops_s(self.dep) else None
+        mmq = llamacpp_kernels.mmq_flops_s(self.dep) and not self.dequantize_above_tokens()
+        return llamacpp_kernels.MMQ_MAX_TILE_COLUMNS if mmq else None
 
     def make_timing(self) -> EngineTiming:
         hw = self.dep.hardware

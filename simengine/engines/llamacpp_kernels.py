@@ -8,7 +8,15 @@ from simengine.engines.memory import Deployment
 
 # ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
 # tensor-core tiles, dequantised per block in registers) for batches over 8; 16/32-bit weights go to cuBLAS.
-MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "mxfp4")
+# (q4_k_m's q4_K and q6_K got int8 tensor-core MMQ with ggml-org/llama.cpp PR #7860, 2024-06, at the legacy quants'
+# rate: ESTIMATE, no per-format measurement of the tile rate)
+MMQ_WEIGHT_DTYPES = ("q8_0", "q4_0", "q4_k_m", "mxfp4")
+# Until PR #8075 (2024-06-24, build b3216) ggml-cuda sent quantized weights in batches over MMQ_MAX_BATCH_SIZE = 32
+# tokens to cuBLAS on GPUs with FP16 tensor cores (CUDA_USE_TENSOR_CORES, on unless GGML_CUDA_FORCE_MMQ): each
+# weight matrix dequantized to F16 in a scratch buffer, then the F16 path below; #8075 kept that path behind the
+# build option GGML_CUDA_FORCE_CUBLAS (LlamaCppParams.cuda_force_cublas). Judged on PR #4766's RTX 4090 runs of
+# that path: LLaMA 7B Q4_0 pp512 7979.85 and Q8_0 7664.00 tok/s against F16 11048.22 (docs/validation.md).
+CUBLAS_DEQUANT_ABOVE_TOKENS = 32
 # MMQ's throughput is a fixed amount of work per SM per cycle, not a share of the tensor peak: RTX 4090 (Ada, 128 SMs
 # at 2.52 GHz) runs Llama-3-8B Q4_0 pp512 at 10358.75 tok/s with MMQ on tensor cores (ggml-org/llama.cpp PR #7676,
 # ubatch 512), i.e. 2 x 6.98e9 layer weights x 10358.75 / (128 x 2.52e9) = 448 FLOP per SM per cycle (the step's
@@ -44,15 +52,26 @@ METAL_MUL_MM_PEAK_FRACTION = 0.60
 CUBLAS_F16_PEAK_FRACTION = 0.43
 
 
-def gemm_flops_s(dep: Deployment) -> float | None:
-    """ggml's layer-GEMM rate: kernel_mul_mm on Apple GPUs, cuBLAS in FP16 for F16 weights on NVIDIA, MMQ for
-    quantized weights on an NVIDIA device of known SMs and clock (else None: the device's GEMM)."""
+def gemm_flops_s(dep: Deployment, force_cublas: bool = False) -> float | None:
+    """ggml's layer-GEMM rate: kernel_mul_mm on Apple GPUs, cuBLAS in FP16 for F16 weights on NVIDIA (and for
+    quantized ones dequantized to F16 where `force_cublas`), MMQ for quantized weights on an NVIDIA device of known
+    SMs and clock (else None: the device's GEMM)."""
     hw = dep.hardware
     if hw.vendor == "apple":
         return METAL_MUL_MM_PEAK_FRACTION * hw.peak(resolve_compute_dtype(dep.weight_format, hw.peak_flops, hw.name))
-    if hw.vendor == "nvidia" and dep.weight_format.name == "fp16" and "fp16" in hw.peak_flops:
-        return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
+    if dep.weight_format.name == "fp16" or dequantize_above_tokens(dep, force_cublas):
+        if hw.vendor == "nvidia" and "fp16" in hw.peak_flops:
+            return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
     return mmq_flops_s(dep)
+
+
+def dequantize_above_tokens(dep: Deployment, force_cublas: bool) -> int | None:
+    """Token count above which the layers' quantized weights are dequantized to F16 for cuBLAS in every step (the
+    GGML_CUDA_FORCE_CUBLAS path on an NVIDIA device with FP16 tensor cores), else None."""
+    hw = dep.hardware
+    quantized = dep.weight_format.name in MMQ_WEIGHT_DTYPES
+    return CUBLAS_DEQUANT_ABOVE_TOKENS if force_cublas and quantized and hw.vendor == "nvidia" \
+        and "fp16" in hw.peak_flops else None
 
 
 def mmq_flops_s(dep: Deployment) -> float | None:

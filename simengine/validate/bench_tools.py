@@ -221,12 +221,29 @@ def version_params(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     return params, why
 
 
+# llama.cpp names builds by their commit count: llama-bench prints 'build: d46dbc76 (2833)'
+_LLAMACPP_BUILD = re.compile(r"\bbuild:? [0-9a-f]{7,40} \((\d+)\)")
+LLAMACPP_MMQ_DEFAULT_BUILD = 3216   # PR #8075 'CUDA: use MMQ instead of cuBLAS by default' (a818f3028, tag b3216)
+
+
+def llamacpp_build_params(row: Measurement) -> tuple[dict, str]:
+    """(knobs, reason) a llama.cpp build older than b3216 ran CUDA with: quantized prompts through cuBLAS."""
+    m = _LLAMACPP_BUILD.search(row.notes)
+    if m is None or int(m.group(1)) >= LLAMACPP_MMQ_DEFAULT_BUILD:
+        return {}, ""
+    return {"cuda_force_cublas": True}, (f"llama.cpp build {m.group(1)} predates b{LLAMACPP_MMQ_DEFAULT_BUILD} (PR "
+                                         "#8075): quantized weights over 32 tokens dequantized for cuBLAS")
+
+
 def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     """(engine params, note) the row's benchmark tool, engine version and quoted engine flags set; ({}, '')."""
     # perf-overview's throughput tables come from trtllm-bench; its online serving table from the Triton backend
     tool = ("trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source) and "triton" not in \
         row.notes.lower()
     params, why = version_params(row, engine)
+    if engine == "llamacpp" and (built := llamacpp_build_params(row))[0]:
+        params.update(built[0])
+        why.append(built[1])
     if harness := vllm_v060_post_params(row, engine):
         params.update(harness)
         why.append(f"the server parameters of the suite vLLM's v0.6.0 post ran {harness} (nightly-tests.json)")

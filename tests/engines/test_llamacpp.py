@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from simengine.api import run_engine
+from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.config.loader import from_dict
 from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.batch import BatchShape
@@ -250,6 +251,36 @@ def test_f16_weights_run_through_cublas_in_fp16_at_llama_cpps_published_share_of
         eng = engine(make_dep(hw, model="llama-2-7b", weight_dtype="fp16"))
         step = cost_model(eng).step(BatchShape(prefill_chunks=[(512, 0)], num_logits=1))
         assert 512 / step.seconds == pytest.approx(measured, rel=0.15), hw
+
+
+def test_forced_cublas_dequantizes_quantized_weights_to_f16_above_32_tokens():
+    """GGML_CUDA_FORCE_CUBLAS (every CUDA build before b3216): a ubatch over 32 tokens first writes an F16 copy of
+    the quantized weights, then multiplies at the F16 cuBLAS rate, so quantized prefill is the F16 time plus that
+    pass. Judged on the RTX 4090 run of PR #4766 that also gave CUBLAS_F16_PEAK_FRACTION: LLaMA 7B Q4_0 and Q8_0
+    pp512 ran at 0.722 and 0.694 of F16's 11048.22 tok/s (7979.85 and 7664.00), which the pass reproduces within 5 %;
+    MMQ's rate and expert tiles are off; decode is untouched."""
+    batch = BatchShape(prefill_chunks=[(512, 0)], num_logits=1)
+    f16 = engine(make_dep("rtx_4090", model="llama-2-7b", weight_dtype="fp16"))
+    f16_s = cost_model(f16).step(batch).seconds
+    for dtype, measured in (("q4_0", 7979.85), ("q8_0", 7664.00)):
+        eng = engine(make_dep("rtx_4090", model="llama-2-7b", weight_dtype=dtype), cuda_force_cublas=True)
+        assert eng.engine_gemm_flops_s() == f16.engine_gemm_flops_s()
+        assert eng.dequantize_above_tokens() == 32
+        cost = cost_model(eng)
+        assert f16_s / cost.step(batch).seconds == pytest.approx(measured / 11048.22, rel=0.05), dtype
+        mmq = cost_model(engine(make_dep("rtx_4090", model="llama-2-7b", weight_dtype=dtype)))
+        one = BatchShape(num_decode=1, decode_context_tokens=512, num_logits=1)
+        assert cost.step(one).seconds == pytest.approx(mmq.step(one).seconds)   # one token: no dequantization
+        stored = cost.work.dense_weight_bytes   # read, and its F16 copy written
+        assert cost.work.dequant_bytes(512.0) == pytest.approx(stored * (1 + 2 / WEIGHT_FORMATS[dtype].bytes_per_param))
+        assert cost.work.dequant_bytes(32.0) == 0.0
+    q4km = engine(make_dep("rtx_3090", model="qwen3-30b-a3b", weight_dtype="q4_k_m"), cuda_force_cublas=True)
+    assert q4km.expert_tile_columns() is None
+    # F16 weights and devices without the path (Metal) ignore the option
+    assert engine(make_dep("rtx_4090", model="llama-2-7b", weight_dtype="fp16"),
+                  cuda_force_cublas=True).dequantize_above_tokens() is None
+    assert engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_k_m"),
+                  cuda_force_cublas=True).dequantize_above_tokens() is None
 
 
 def test_flash_attention_runs_at_its_own_rate_per_sm_cycle():

@@ -131,6 +131,9 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     ("lmdeploy", "lmdeploy v0.1.0a1 TurboMind",
      {"async_": 0, "decode_attention_kernel": "decoder_multihead_attention", "prefill_passes": "separate"}),
     ("lmdeploy", "lmdeploy v0.11.2", {}),
+    ("llamacpp", "llama-bench build d46dbc76 (2833) CUDA; -ngl 99", {"cuda_force_cublas": True}),
+    ("llamacpp", "llama-bench build: a818f302 (3216)", {}),   # PR #8075: MMQ by default from b3216
+    ("llamacpp", "llama-bench -ngl 99 pp512; build varies per row", {}),
 ])
 def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect):
     from simengine.validate.bench_tools import engine_params
