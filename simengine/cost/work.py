@@ -142,29 +142,36 @@ class StepWork:
         group = tokens * self.group_tokens_per_token
         return m.num_experts * (1.0 - (1.0 - m.experts_per_token / m.num_experts) ** group)
 
-    def linear(self, tokens):
-        """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once, FLOPs per token (and the
-        padding of an engine whose expert GEMM computes whole tiles: `padded_expert_tokens`)."""
+    def stored_weight_bytes(self, tokens):
+        """Stored bytes of the layer weights a step of `tokens` tokens reads: the dense ones and the experts it
+        touches."""
         weight_bytes = self.dense_weight_bytes + 0.0 * tokens
-        flops = tokens * self.linear_flops_per_token
         if self.model.num_experts:
             weight_bytes = weight_bytes + self.model.num_moe_layers * self.experts_touched(tokens) * self.expert_bytes
-            if self.expert_tile_columns:
-                m = self.model
-                padding = (np.fromiter(map(self.padded_expert_tokens, np.ravel(tokens).tolist()), float)
-                           .reshape(np.shape(tokens)) if np.ndim(tokens) else self.padded_expert_tokens(tokens))
-                flops = flops + m.num_moe_layers * 2.0 * m.expert_params * padding
+        return weight_bytes
+
+    def linear(self, tokens):
+        """(FLOPs, bytes) of the layers' GEMMs for `tokens` tokens: weights read once (their 16-bit copy in a step
+        that dequantizes), FLOPs per token (and the padding of an engine whose expert GEMM computes whole tiles:
+        `padded_expert_tokens`)."""
+        weight_bytes = self.stored_weight_bytes(tokens)
+        flops = tokens * self.linear_flops_per_token
+        if self.expert_tile_columns:
+            m = self.model
+            padding = (np.fromiter(map(self.padded_expert_tokens, np.ravel(tokens).tolist()), float)
+                       .reshape(np.shape(tokens)) if np.ndim(tokens) else self.padded_expert_tokens(tokens))
+            flops = flops + m.num_moe_layers * 2.0 * m.expert_params * padding
         if self.dequantize_above_tokens is not None:
             weight_bytes = weight_bytes * np.where(tokens > self.dequantize_above_tokens, self.dequant_copy_ratio, 1.0)
         return flops, weight_bytes
 
     def dequant_bytes(self, tokens):
-        """Bytes the dequantization pass of a step of `tokens` tokens moves: the stored weights read, their 16-bit
-        copy written (zero where the GEMMs read the stored weights)."""
+        """Bytes the dequantization pass of a step of `tokens` tokens moves: the stored weights read and their
+        16-bit copy written (none where the GEMMs read the stored weights)."""
         if self.dequantize_above_tokens is None:
-            return 0.0 * tokens
-        _, copy_bytes = self.linear(tokens)
-        return copy_bytes * (1.0 + 1.0 / self.dequant_copy_ratio) * (tokens > self.dequantize_above_tokens)
+            return 0.0
+        return (self.stored_weight_bytes(tokens) * (1.0 + self.dequant_copy_ratio)
+                * (tokens > self.dequantize_above_tokens))
 
     def padded_expert_tokens(self, tokens: float) -> float:
         """Token columns an expert GEMM computes beyond its tokens in a step of `tokens` tokens, over one MoE layer's
