@@ -31,6 +31,9 @@ class BatchShape:
     lora_rank: int = 0
     lora_host_load_ranks: int = 0
     lora_disk_load_ranks: int = 0
+    # a forward entering the engine's pipeline of layer-split devices behind the previous forward of the same call
+    # (llama.cpp's pipeline parallelism): it ends one stage, its own time / pp, after that one
+    pipelined: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:

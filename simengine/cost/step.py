@@ -169,6 +169,10 @@ class CostModel:
                 seconds = max(seconds, load + seconds / self.model.num_layers)  # at the load plus one layer's work
             else:                            # before the forward
                 seconds += load
+        if shape.pipelined and self.pp > 1:   # one more forward through a filled pipeline: its last stage's share
+            f = 1.0 / self.pp
+            seconds, compute, memory, comm, measured = (seconds * f, compute * f, memory * f, comm * f,
+                                                         measured * f)
         return StepCost(seconds, compute, memory, comm, seconds - compute - memory - comm, measured)
 
     def stage_seconds(self, shape: BatchShape, seconds: float, stages: int) -> float:

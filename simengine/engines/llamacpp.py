@@ -4,7 +4,9 @@ Fixed slots (-np; auto 4 with one unified KV of n_ctx cells). A task takes the i
 the longest prefix with its prompt (more than slot_prompt_similarity of it), else the least recently used one, else
 it waits in a FIFO queue. An iteration decodes every generating slot first, then appends prompt tokens of slots
 still prefilling, in slot order, up to n_batch; ggml runs it as ceil(T / n_ubatch) forwards, one simulator step
-each (sampled tokens are placed in the last one, so they appear when the iteration ends). Per-slot prompt reuse
+each (sampled tokens are placed in the last one, so they appear when the iteration ends); with layers split over
+CUDA/HIP devices the forwards of an iteration pipeline through them, each after the first adding one stage's time
+(pipeline parallelism, PR #6017). Per-slot prompt reuse
 (cache_prompt) and the host-RAM prompt cache (--cache-ram: idle slots saved, the best match restored). No
 preemption: a batch the cells cannot hold first purges idle slots, then fails every processing slot (the server's
 "Context size has been exceeded"). Context shift off: a slot reaching n_ctx stops early (truncated). One
@@ -82,6 +84,11 @@ class LlamaCppEngine(EnginePolicy):
         self.num_busy = 0                                        # slots processing a task
         self.queue: deque[Request] = deque()
         self.plan: deque[list[tuple[Request, int]]] = deque()   # the current iteration's remaining forwards
+        # pipeline parallelism (llama-context.cpp, PR #6017): with layers split over several devices whose backend
+        # computes asynchronously with events (CUDA, HIP), the forwards of one llama_decode call follow each other
+        # through the devices' layer ranges; ESTIMATE: off on the other backends
+        self.pipelined = dep.pp > 1 and dep.hardware.vendor in ("nvidia", "amd")
+        self.forwards_in_call = 0   # forwards of the current iteration scheduled so far
         state_bytes = dep.model.kv_bytes_per_token(dep.kv_elem_bytes)
         self.ram = PromptRamCache(0 if p.cache_ram == 0 else float("inf") if p.cache_ram < 0
                                   else p.cache_ram * MIB / state_bytes)   # --cache-ram in tokens
@@ -208,6 +215,8 @@ class LlamaCppEngine(EnginePolicy):
         if self.plan:
             out.scheduled = self.plan.popleft()
             out.shape = self.make_shape(out.scheduled)
+            out.shape.pipelined = self.pipelined and self.forwards_in_call > 0
+            self.forwards_in_call += 1
         elif self.queue:
             out.idle_reason = "no idle slot"
         return out
@@ -287,6 +296,7 @@ class LlamaCppEngine(EnginePolicy):
                 self._fail_processing(out)       # decode() at n_batch == 1: "Context size has been exceeded."
                 return
         self.plan.extend(self._split(entries, need))
+        self.forwards_in_call = 0
 
     def _free_cells(self) -> int:
         if not self.kv_unified:

@@ -129,7 +129,12 @@ def step_plan(exp: Experiment, eng: EnginePolicy) -> tuple[list[BatchShape], Rea
         return shapes, Readout(False, 1.0, [np.ones(len(shapes))])
     if r.metric == "prefill_tok_s":
         # llama-bench's physical batch: the engine's -ub (a row quoting --ubatch-size sets it), else its default
-        shapes = prefill_shapes(eng, b, isl, depth, getattr(eng, "n_ubatch", LLAMA_BENCH_UBATCH))
+        ubatch = getattr(eng, "n_ubatch", LLAMA_BENCH_UBATCH)
+        shapes = prefill_shapes(eng, b, isl, depth, ubatch)
+        # it decodes the prompt n_batch tokens a call, whose ubatches pipeline over layer-split devices
+        per_call = max(1, getattr(eng, "n_batch", ubatch) // ubatch)
+        for i, shape in enumerate(shapes):
+            shape.pipelined = getattr(eng, "pipelined", False) and i % per_call > 0
         return shapes, Readout(True, float(b * isl), [np.ones(len(shapes))])
     start = isl + depth
     if r.metric == "decode_step_ms":   # the median of O iterations: the one halfway through the generation

@@ -1,5 +1,6 @@
 """llama.cpp server policy driven by hand: slots, slot choice, iteration shape, ubatch forwards, KV limits."""
 
+import dataclasses
 from unittest import mock
 
 import numpy as np
@@ -281,6 +282,30 @@ def test_forced_cublas_dequantizes_quantized_weights_to_f16_above_32_tokens():
                   cuda_force_cublas=True).dequantize_above_tokens() is None
     assert engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_k_m"),
                   cuda_force_cublas=True).dequantize_above_tokens() is None
+
+
+def test_layer_split_devices_pipeline_the_forwards_of_one_call():
+    """Pipeline parallelism (PR #6017): with layers split over CUDA devices the ubatches of one llama_decode call
+    follow each other through the devices' layer ranges, each after the first ending one stage (its time / pp)
+    later; the next call starts after the last. A 2,048-token prompt on four RTX 4090s: 4 ubatches in (4 + 3) / 4
+    of one ubatch's time each way round, not 4 x; the same on one device, or on Metal, steps them in turn."""
+    eng = engine(make_dep("rtx_4090", model="llama-3-8b", weight_dtype="q4_k_m", pp=4), n_parallel=1)
+    assert eng.pipelined
+    eng.add_request(make_request(2048, 2), 0.0)
+    shapes = []
+    for _ in range(4):
+        out, _ = run_step(eng)
+        shapes.append(out.shape)
+    assert [s.pipelined for s in shapes] == [False, True, True, True]
+    cost = cost_model(eng)
+    full = cost.step(dataclasses.replace(shapes[1], pipelined=False))
+    follow = cost.step(shapes[1])
+    assert follow.seconds == pytest.approx(full.seconds / 4)
+    assert follow.compute_s + follow.memory_s + follow.comm_s + follow.overhead_s == pytest.approx(follow.seconds)
+    out, _ = run_step(eng)   # the next iteration (the first decode) starts a new call
+    assert not out.shape.pipelined
+    assert not engine(make_dep("rtx_4090", model="llama-3-8b", weight_dtype="q4_k_m")).pipelined
+    assert not engine(make_dep("apple_m2_ultra", model="llama-3-8b", weight_dtype="q4_k_m", pp=2)).pipelined
 
 
 def test_flash_attention_runs_at_its_own_rate_per_sm_cycle():

@@ -78,6 +78,28 @@ def test_llama_bench_rows_use_ubatches_and_context_depth():
     assert tg.info["steps"] == 128 and 5 < tg.predicted < 500
 
 
+def test_llama_bench_prompts_pipeline_their_ubatches_over_layer_split_cards():
+    """llama-bench decodes a prompt n_batch (2,048) tokens a call; on cards splitting the layers a call's ubatches
+    pipeline (PR #6017): pp4096 on 4 RTX 4090s is 2 calls of 4 ubatches, each (4 + 3) / 4 ubatch times, so it runs
+    4 x 4 / (2 x 7) = 2.29x the cards taking the ubatches in turn (published: 2.37x one 4090, XiongjieDai,
+    Llama-3-8B Q4_K_M); pp512 (one ubatch) gains nothing."""
+    from simengine.validate.run import step_plan
+    base = row(engine="llamacpp", model="llama-3-8b", weight_dtype="q4_k_m", hardware="rtx_4090", num_gpus=4, pp=4,
+               arrival=Arrival(kind="single"), num_requests=None, output_len=0, input_len=4096,
+               metric="prefill_tok_s", notes="pp4096")
+    exp = plan_row(base)
+    eng = build_engine(exp.entry, build_deployment(exp.scenario))
+    cost = cost_model(eng)
+    shapes, _ = step_plan(exp, eng)
+    assert [s.pipelined for s in shapes] == [False, True, True, True] * 2
+    piped = sum(cost.step(s).seconds for s in shapes)
+    in_turn = sum(cost.step(dataclasses.replace(s, pipelined=False)).seconds for s in shapes)
+    assert in_turn / piped == pytest.approx(16 / 7, rel=0.05)
+    assert run_row(base).predicted == pytest.approx(4096 / piped)
+    one, _ = step_plan(plan_row(dataclasses.replace(base, input_len=512)), eng)
+    assert [s.pipelined for s in one] == [False]
+
+
 def test_parallel_validate_ends_without_worker_tracebacks(tmp_path):
     """The worker pool's shutdown (SIGTERM to idle workers) is quiet: the CLI's SIGTERM handler is the parent's."""
     import subprocess
