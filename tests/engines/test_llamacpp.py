@@ -362,7 +362,9 @@ def _scenario(**deployment) -> Scenario:
         "engines": ["llamacpp"]}, source="test")
 
 
-@pytest.mark.parametrize("deployment", [{}, {"hardware": "h100_sxm", "model": "llama-3.1-8b", "weight_dtype": "bf16"}])
+@pytest.mark.parametrize("deployment", [{}, {"hardware": "h100_sxm", "model": "llama-3.1-8b", "weight_dtype": "bf16"},
+                                        {"hardware": "rtx_4090", "model": "llama-3-70b", "weight_dtype": "q4_k_m",
+                                         "pp": 2}])
 def test_end_to_end_conservation_and_invariants(deployment):
     sc = _scenario(**deployment)
     r = run_engine(sc, sc.engines[0], check_invariants=True)
