@@ -140,18 +140,27 @@ class RooflineKernels:
     def attention_features(self, prefill_chunks: list[list[tuple[int, int]]], num_decode: np.ndarray,
                            context_tokens: np.ndarray) -> dict:
         """Features of the attention ops of many steps (their prefill chunks, decodes and decode contexts)."""
+        w = self.work
         f = empty_features(num_decode)
         for i, chunks in enumerate(prefill_chunks):
             if chunks:
                 f["pre_c"][i], f["pre_m"][i], f["floors"][i] = self._prefill_work(chunks)
+                f["elem_m"][i] = w.score_bytes(w.unfused_scores(chunks)) / self.bandwidth
         dc, dm = self._decode_work(num_decode, context_tokens)
         f["dec_c"], f["dec_m"] = dc, dm
-        f["floors"] = f["floors"] + self.work.model.num_layers * (num_decode > 0)
+        f["elem_m"] = f["elem_m"] + w.score_bytes(context_tokens) / self.bandwidth
+        f["floors"] = f["floors"] + self.attention_kernels * (num_decode > 0)
         return f
+
+    @property
+    def attention_kernels(self) -> float:
+        """Kernels of one step's attention, all layers."""
+        u = self.work.unfused_attention
+        return float(self.work.model.num_layers * (u.kernels_per_layer if u is not None else 1))
 
     def _prefill_work(self, chunks):
         flops, nbytes = self.work.prefill_attention(chunks)
-        return flops / self.attn_peak, nbytes / self.bandwidth, float(self.work.model.num_layers)
+        return flops / self.attn_peak, nbytes / self.bandwidth, self.attention_kernels
 
     def _decode_work(self, num_decode, context_tokens):
         flops, nbytes = self.work.decode_attention(num_decode, context_tokens)
@@ -174,6 +183,9 @@ class RooflineKernels:
         c, m, kernels = self._prefill_work(chunks)
         t = self.terms
         s, cs, ms = bound(c, m, t.g_attn, t.memory_fraction)
+        if self.work.unfused_attention is not None:   # the score passes: kernels of their own, memory-bound
+            passes = self.work.score_bytes(self.work.unfused_scores(chunks)) / self.bandwidth / t.memory_fraction
+            s, ms = s + passes, ms + passes
         return s + kernels * t.kernel_floor_s, cs, ms, 0.0
 
     def decode(self, num_decode, context_tokens, maximum=max):
@@ -181,4 +193,7 @@ class RooflineKernels:
         c, m = self._decode_work(num_decode, context_tokens)
         t = self.terms
         s, cs, ms = bound(c, m, t.g_attn, t.memory_fraction, maximum)
-        return s + self.work.model.num_layers * t.kernel_floor_s, cs, ms, 0.0   # (a float broadcasts over arrays)
+        if self.work.unfused_attention is not None:
+            passes = self.work.score_bytes(context_tokens) / self.bandwidth / t.memory_fraction
+            s, ms = s + passes, ms + passes
+        return s + self.attention_kernels * t.kernel_floor_s, cs, ms, 0.0   # (a float broadcasts over arrays)

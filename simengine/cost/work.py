@@ -22,6 +22,8 @@ Work here is physics only: no efficiency, no measured time. `roofline.py` and `m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from simengine.config.dtypes import WeightFormat, resolve_compute_dtype
@@ -56,6 +58,14 @@ def lora_params_per_rank(model: ModelSpec) -> int:
 
 
 
+class UnfusedAttention(NamedTuple):
+    """Attention as separate kernels (EnginePolicy.unfused_attention): the QK GEMM writes every score to memory,
+    the softmax reads and writes them, the PV GEMM reads them."""
+
+    score_bytes: float        # bytes moved per score (query x key x head) by those passes and any conversions
+    kernels_per_layer: int    # the kernels one layer's attention takes
+
+
 class StepWork:
     """Per-device work of one replica of `model` on `tp` x `pp` devices of `hw` (tensor parallel splits every GEMM
     and attention head; pipeline stages run one after another, so a step's time covers all layers), or of one rank
@@ -65,7 +75,7 @@ class StepWork:
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
                  engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
                  expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0,
-                 dequantize_above_tokens: int | None = None):
+                 dequantize_above_tokens: int | None = None, unfused_attention: UnfusedAttention | None = None):
         m = self.model = model
         # the FLOP/s the engine reaches on these weights' layer GEMMs where its own kernels or its own way of calling
         # the vendor library set it (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
@@ -84,6 +94,9 @@ class StepWork:
         # llama.cpp's cuBLAS path for quantized weights); None: the GEMMs read the stored weights
         self.dequantize_above_tokens = dequantize_above_tokens
         self.dequant_copy_ratio = ACT_BYTES / weight_format.bytes_per_param
+        # attention as separate kernels that keep the scores in memory (EnginePolicy.unfused_attention: llama.cpp
+        # with FlashAttention off); None: a fused kernel, the scores on chip and only the causal half computed
+        self.unfused_attention = unfused_attention
         self.hw, self.tp, self.pp, self.weight_format = hw, tp, pp, weight_format
         self.attention_dp = attention_dp
         # devices a token's attention and dense layers are split over; the group's tokens per rank's token at the
@@ -232,7 +245,12 @@ class StepWork:
         return sum(c * min(k + c / 2.0, w) for c, k in chunks)
 
     def prefill_attention(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
-        """(FLOPs, bytes) of causal attention over the prefill chunks, all layers."""
+        """(FLOPs, bytes) of causal attention over the prefill chunks, all layers (unfused: every query against
+        every key its chunk sees, the mask applied after)."""
+        if self.unfused_attention is not None:
+            layers = self.full_layers + self.sliding_layers
+            return (self.unfused_scores(chunks) * self.attn_flops_per_pair * layers,
+                    float(sum([k + c for c, k in chunks])) * self.kv_bytes_layer * layers)
         pairs, read = self.prefill_pairs(chunks)
         flops = pairs * self.attn_flops_per_pair * self.full_layers
         nbytes = read * self.kv_bytes_layer * self.full_layers
@@ -241,6 +259,21 @@ class StepWork:
             flops += self.sliding_pairs(chunks) * self.attn_flops_per_pair * self.sliding_layers
             nbytes += sl_read * self.kv_bytes_layer * self.sliding_layers
         return flops, nbytes
+
+    @staticmethod
+    def unfused_scores(chunks: list[tuple[int, int]]) -> float:
+        """Query-key pairs an unfused attention scores over the prefill chunks in one layer: each new token against
+        its chunk's whole context (the cached keys and the chunk)."""
+        return float(sum([c * (k + c) for c, k in chunks]))
+
+    def score_bytes(self, pairs):
+        """Bytes the unfused attention's score passes move for `pairs` query-key pairs a layer, all layers and the
+        device's heads (zero for a fused kernel); arrays too."""
+        u = self.unfused_attention
+        if u is None:
+            return 0.0 * pairs
+        heads = self.model.num_heads / self.attention_tp
+        return pairs * heads * u.score_bytes * self.model.num_layers
 
     def decode_attention(self, num_decode, context_tokens):
         """(FLOPs, bytes) of decode attention: `num_decode` queries over `context_tokens` cached tokens in all

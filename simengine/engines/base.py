@@ -16,6 +16,7 @@ import numpy as np
 from simengine.core.batch import BatchShape, SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
+from simengine.cost.work import UnfusedAttention
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
@@ -95,6 +96,11 @@ class EnginePolicy(RemoteKV, ABC):
     def engine_attention_flops_s(self) -> float | None:
         """FLOP/s the engine's own attention kernel reaches where it is not a vendor library's (cost/work.py
         StepWork.engine_attention_flops_s); None: the device's attention peak at its gemm_fraction."""
+        return None
+
+    def unfused_attention(self) -> UnfusedAttention | None:
+        """Attention as separate kernels with the scores in memory (cost/work.py UnfusedAttention); None: a fused
+        kernel."""
         return None
 
     def dequantize_above_tokens(self) -> int | None:

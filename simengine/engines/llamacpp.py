@@ -23,6 +23,7 @@ import numpy as np
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
+from simengine.cost.work import UnfusedAttention
 from simengine.engines import llamacpp_kernels
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s
@@ -108,7 +109,10 @@ class LlamaCppEngine(EnginePolicy):
         return llamacpp_kernels.dequantize_above_tokens(self.dep, self.params.cuda_force_cublas)
 
     def engine_attention_flops_s(self) -> float | None:
-        return llamacpp_kernels.attention_flops_s(self.dep)
+        return llamacpp_kernels.attention_flops_s(self.dep, self.params.flash_attn != "off")
+
+    def unfused_attention(self) -> UnfusedAttention | None:
+        return llamacpp_kernels.unfused_attention(self.dep) if self.params.flash_attn == "off" else None
 
     def expert_tile_columns(self) -> int | None:
         """MMQ's widest token tile (mmq_x_max 128 with tensor-core MMA, ggml-cuda/mmq.cuh) where MMQ multiplies the
@@ -128,7 +132,8 @@ class LlamaCppEngine(EnginePolicy):
             output_cpu_s=0.1e-3, seq_cpu_s=2e-9 * self.dep.model.vocab_size, frontend_s=NATIVE_FRONTEND_S,
             overlap=False,                                  # one thread: schedule, decode, sample in sequence
             kernel_launch_s=launch_cost_s(hw),
-            kernels_per_layer=18,  # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention
+            # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention (its unfused kernels instead)
+            kernels_per_layer=18 - 1 + (u.kernels_per_layer if (u := self.unfused_attention()) else 1),
             # ggml-cuda disables CUDA graphs for any batch above one token ("disabling CUDA graphs due to batch
             # size > 1", ggml-cuda.cu check_node_graph_compatibility); Metal/HIP/SYCL/Vulkan/OpenCL have none.
             cuda_graph_sizes=(1,) if hw.vendor == "nvidia" else (), graph_padding=False, graph_mixed_steps=False)

@@ -5,7 +5,7 @@ tools/server, master 001d906). The server loop that uses them is engines/llamacp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from simengine.config.loader import MAX_TOKENS, Checked, Range, Sequences, Share, Tokens
 from simengine.engines.devices import gpu_visible_bytes, refuse_gaudi
@@ -36,6 +36,9 @@ class LlamaCppParams(Checked):
     # build option GGML_CUDA_FORCE_CUBLAS (off; ggml-org/llama.cpp PR #8075, b3216): quantized weights in ubatches
     # over 32 tokens dequantized to F16 for cuBLAS instead of MMQ, as CUDA builds before b3216 did on tensor-core GPUs
     cuda_force_cublas: bool = False
+    # -fa, --flash-attn: auto (common.h, PR #15434, 2025-08) turns it on where the backend has the kernel, which
+    # every backend modelled here has for these models; builds before then ran without it unless -fa was given
+    flash_attn: Literal["on", "off", "auto"] = "auto"
     cont_batching: bool = True           # -cb (common.h cont_batching)
     context_shift: bool = False          # --context-shift (common.h ctx_shift)
     cache_prompt: bool = True            # request field cache_prompt, on by default (common.h)

@@ -4,6 +4,7 @@ calling cuBLAS, set the rate (EnginePolicy.engine_gemm_flops_s, engine_attention
 from __future__ import annotations
 
 from simengine.config.dtypes import resolve_compute_dtype
+from simengine.cost.work import UnfusedAttention
 from simengine.engines.memory import Deployment
 
 # ggml-cuda multiplies quantized weights with its own MMQ kernels (mmq.cu: activations quantized to q8_1, int8
@@ -82,8 +83,28 @@ def mmq_flops_s(dep: Deployment) -> float | None:
     return MMQ_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s
 
 
-def attention_flops_s(dep: Deployment) -> float | None:
-    """ggml-cuda's FlashAttention rate on an NVIDIA device of known SMs and clock (else None: the device's attention
-    peak)."""
+def attention_flops_s(dep: Deployment, flash_attn: bool = True) -> float | None:
+    """ggml-cuda's FlashAttention rate on an NVIDIA device of known SMs and clock; without FlashAttention the two
+    attention GEMMs' rate (cuBLAS in FP16 on NVIDIA, kernel_mul_mm on Apple GPUs); else None (the device's
+    attention peak)."""
     hw = dep.hardware
+    if not flash_attn:
+        if hw.vendor == "apple":
+            return METAL_MUL_MM_PEAK_FRACTION * hw.peak("fp16")
+        if hw.vendor == "nvidia" and "fp16" in hw.peak_flops:
+            return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
+        return None
     return FA_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s if hw.vendor == "nvidia" and hw.sm_clocks_per_s else None
+
+
+def unfused_attention(dep: Deployment) -> UnfusedAttention:
+    """ggml's attention without FlashAttention (llm_build_kqv): kq = mul_mat(k, q) writes every score, soft_max_ext
+    reads and writes them, kqv = mul_mat(v, kq) reads them, all as F32 tensors. On CUDA and HIP the batched cuBLAS
+    calls compute in F16, so each score is also written in F16 and converted to F32 after QK, and converted back to
+    F16 before PV: 2 + 2 + 4 (QK and conversion) + 4 + 4 (softmax) + 4 + 2 + 2 (conversion and PV) = 24 bytes a
+    score; Metal's kernel_mul_mm takes and gives F32 directly: 4 + 8 + 4 = 16 (ESTIMATE for the other backends,
+    which read and write F32 like Metal). Six kernels a layer on CUDA (three GEMM-side conversions), three on
+    Metal, where FlashAttention takes one. The mask read is not counted."""
+    if dep.hardware.vendor in ("nvidia", "amd"):
+        return UnfusedAttention(score_bytes=24.0, kernels_per_layer=6)
+    return UnfusedAttention(score_bytes=16.0, kernels_per_layer=3)

@@ -100,7 +100,8 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
                     engine_gemm_flops_s=engine.engine_gemm_flops_s(),
                     engine_attention_flops_s=engine.engine_attention_flops_s(),
                     expert_tile_columns=engine.expert_tile_columns(), decode_kv_reads=engine.decode_kv_reads(),
-                    dequantize_above_tokens=engine.dequantize_above_tokens())
+                    dequantize_above_tokens=engine.dequantize_above_tokens(),
+                    unfused_attention=engine.unfused_attention())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     gpu = _kernels(work, hw, engine, timing, kernels)
     proposer = None

@@ -226,13 +226,25 @@ _LLAMACPP_BUILD = re.compile(r"\bbuild:? [0-9a-f]{7,40} \((\d+)\)")
 LLAMACPP_MMQ_DEFAULT_BUILD = 3216   # PR #8075 'CUDA: use MMQ instead of cuBLAS by default' (a818f3028, tag b3216)
 
 
+# a row's notes saying its run had FlashAttention off: llama-bench's '-fa 0' (its default until PR #15434) as printed
+# or stated by the transcriber
+_FLASH_ATTN_OFF = re.compile(r"(?i)flash attention off|(?<![\w-])-fa 0\b|--flash-attn (?:off|0)\b")
+
+
 def llamacpp_build_params(row: Measurement) -> tuple[dict, str]:
-    """(knobs, reason) a llama.cpp build older than b3216 ran CUDA with: quantized prompts through cuBLAS."""
+    """(knobs, reasons) of a llama.cpp run: quantized prompts through cuBLAS in a build older than b3216, and
+    FlashAttention off where the notes say so."""
+    params: dict = {}
+    why: list[str] = []
     m = _LLAMACPP_BUILD.search(row.notes)
-    if m is None or int(m.group(1)) >= LLAMACPP_MMQ_DEFAULT_BUILD:
-        return {}, ""
-    return {"cuda_force_cublas": True}, (f"llama.cpp build {m.group(1)} predates b{LLAMACPP_MMQ_DEFAULT_BUILD} (PR "
-                                         "#8075): quantized weights over 32 tokens dequantized for cuBLAS")
+    if m is not None and int(m.group(1)) < LLAMACPP_MMQ_DEFAULT_BUILD:
+        params["cuda_force_cublas"] = True
+        why.append(f"llama.cpp build {m.group(1)} predates b{LLAMACPP_MMQ_DEFAULT_BUILD} (PR #8075): quantized "
+                   "weights over 32 tokens dequantized for cuBLAS")
+    if _FLASH_ATTN_OFF.search(row.notes):
+        params["flash_attn"] = "off"
+        why.append("FlashAttention off, as the notes say (llama-bench -fa 0, its default before PR #15434)")
+    return params, "; ".join(why)
 
 
 def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:

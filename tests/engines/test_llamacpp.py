@@ -308,6 +308,36 @@ def test_layer_split_devices_pipeline_the_forwards_of_one_call():
     assert not engine(make_dep("apple_m2_ultra", model="llama-3-8b", weight_dtype="q4_k_m", pp=2)).pipelined
 
 
+def test_without_flash_attention_the_scores_go_through_memory():
+    """-fa off (llama-bench's default before PR #15434): QK and PV are cuBLAS GEMMs over every key the ubatch sees
+    and the scores pass through memory (24 bytes a score on CUDA, 16 on Metal) in kernels of their own, so a long
+    prompt slows down as published: LLaMA 7B F16 on an A100 80GB PCIe (PR #6017, a build without FlashAttention)
+    keeps 0.758 of its pp512 rate at pp4096 and 0.590 at pp8192, and the simulator 0.757 and 0.593 (with
+    FlashAttention priced: 0.833 and 0.700). Decode and the default (auto: on) keep the fused kernel."""
+    def pp(eng, n):
+        cost = cost_model(eng)
+        return n / sum(cost.step(BatchShape(prefill_chunks=[(512, d)], num_logits=1)).seconds
+                       for d in range(0, n, 512))
+    dep = make_dep("a100_pcie", model="llama-2-7b", weight_dtype="fp16")
+    off, on = engine(dep, flash_attn="off"), engine(dep)
+    assert on.unfused_attention() is None and cost_model(on).work.unfused_attention is None
+    u = off.unfused_attention()
+    assert (u.score_bytes, u.kernels_per_layer) == (24.0, 6)
+    assert off.timing.kernels_per_layer == on.timing.kernels_per_layer + 5
+    assert engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_0"),
+                  flash_attn="off").unfused_attention().score_bytes == 16.0
+    from simengine.engines.llamacpp_kernels import CUBLAS_F16_PEAK_FRACTION
+    assert off.engine_attention_flops_s() == pytest.approx(CUBLAS_F16_PEAK_FRACTION * 312e12)
+    base = pp(off, 512)
+    assert pp(off, 4096) / base == pytest.approx(0.758, abs=0.02)
+    assert pp(off, 8192) / base == pytest.approx(0.590, abs=0.02)
+    assert pp(on, 4096) / pp(on, 512) > 0.8
+    # the score passes are priced by the features calibration re-prices, too
+    work = cost_model(off).work
+    assert work.score_bytes(work.unfused_scores([(512, 512)])) == pytest.approx(
+        512 * 1024 * 32 * 24.0 * 32)   # scores x heads x bytes x layers
+
+
 def test_flash_attention_runs_at_its_own_rate_per_sm_cycle():
     """ggml-cuda's FlashAttention at FA_FLOPS_PER_SM_CYCLE x SMs x clock on an NVIDIA device of known SMs, not the
     FP16 peak: the RTX 3090 row it comes from (Llama-3-8B Q4_0 pp512 @ d32768, 1,470.93 tok/s in PR #17505) is

@@ -134,6 +134,10 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     ("llamacpp", "llama-bench build d46dbc76 (2833) CUDA; -ngl 99", {"cuda_force_cublas": True}),
     ("llamacpp", "llama-bench build: a818f302 (3216)", {}),   # PR #8075: MMQ by default from b3216
     ("llamacpp", "llama-bench -ngl 99 pp512; build varies per row", {}),
+    ("llamacpp", "llama-bench build 4426e298 (2824); defaults: -ub 512 and flash attention off (not printed)",
+     {"cuda_force_cublas": True, "flash_attn": "off"}),
+    ("llamacpp", "llama-bench -fa 0 -p 2048", {"flash_attn": "off"}),
+    ("llamacpp", "llama-bench -fa 1 -p 2048", {}),
 ])
 def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect):
     from simengine.validate.bench_tools import engine_params
