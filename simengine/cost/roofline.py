@@ -102,6 +102,8 @@ class RooflineKernels:
         self.link_latency_s = hw.link_latency_s
         self.link_bandwidth = max(hw.link_bandwidth_bytes_s, 1.0)
         self.fallbacks: dict[str, str] = {}
+        u = work.unfused_attention   # kernels of one step's attention, all layers
+        self.attention_kernels = float(work.model.num_layers * (u.kernels_per_layer if u is not None else 1))
 
     def describe(self) -> str:
         return "roofline"
@@ -151,12 +153,6 @@ class RooflineKernels:
         f["elem_m"] = f["elem_m"] + w.score_bytes(context_tokens) / self.bandwidth
         f["floors"] = f["floors"] + self.attention_kernels * (num_decode > 0)
         return f
-
-    @property
-    def attention_kernels(self) -> float:
-        """Kernels of one step's attention, all layers."""
-        u = self.work.unfused_attention
-        return float(self.work.model.num_layers * (u.kernels_per_layer if u is not None else 1))
 
     def _prefill_work(self, chunks):
         flops, nbytes = self.work.prefill_attention(chunks)

@@ -220,8 +220,9 @@ class LlamaCppEngine(EnginePolicy):
         if self.plan:
             out.scheduled = self.plan.popleft()
             out.shape = self.make_shape(out.scheduled)
-            out.shape.pipelined = self.pipelined and self.forwards_in_call > 0
-            self.forwards_in_call += 1
+            if self.pipelined:
+                out.shape.pipelined = self.forwards_in_call > 0
+                self.forwards_in_call += 1
         elif self.queue:
             out.idle_reason = "no idle slot"
         return out

@@ -61,9 +61,17 @@ def gemm_flops_s(dep: Deployment, force_cublas: bool = False) -> float | None:
     if hw.vendor == "apple":
         return METAL_MUL_MM_PEAK_FRACTION * hw.peak(resolve_compute_dtype(dep.weight_format, hw.peak_flops, hw.name))
     if dep.weight_format.name == "fp16" or dequantize_above_tokens(dep, force_cublas):
-        if hw.vendor == "nvidia" and "fp16" in hw.peak_flops:
-            return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
+        if (cublas := cublas_f16_flops_s(dep)) is not None:
+            return cublas
     return mmq_flops_s(dep)
+
+
+def cublas_f16_flops_s(dep: Deployment) -> float | None:
+    """ggml's cuBLAS calls computing in FP16 on an NVIDIA device with FP16 tensor cores (else None)."""
+    hw = dep.hardware
+    if hw.vendor == "nvidia" and "fp16" in hw.peak_flops:
+        return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
+    return None
 
 
 def dequantize_above_tokens(dep: Deployment, force_cublas: bool) -> int | None:
@@ -91,9 +99,7 @@ def attention_flops_s(dep: Deployment, flash_attn: bool = True) -> float | None:
     if not flash_attn:
         if hw.vendor == "apple":
             return METAL_MUL_MM_PEAK_FRACTION * hw.peak("fp16")
-        if hw.vendor == "nvidia" and "fp16" in hw.peak_flops:
-            return CUBLAS_F16_PEAK_FRACTION * (hw.fp16_accumulate_flops or hw.peak("fp16"))
-        return None
+        return cublas_f16_flops_s(dep)
     return FA_FLOPS_PER_SM_CYCLE * hw.sm_clocks_per_s if hw.vendor == "nvidia" and hw.sm_clocks_per_s else None
 
 
