@@ -32,7 +32,7 @@ class Request:
         "request_id", "arrival_s", "prompt_len", "output_len", "max_tokens", "token_ids", "priority",
         "session_id", "turn", "num_computed_tokens", "num_output_tokens", "status", "first_scheduled_s",
         "first_token_s", "last_token_s", "finish_s", "num_preemptions", "num_cached_tokens",
-        "block_hashes", "fail_reason", "slo_class", "structured", "kv_settled_tokens",
+        "block_hashes", "block_hash_size", "fail_reason", "slo_class", "structured", "kv_settled_tokens",
         "hash_batch", "unique_outputs", "private_from", "token_times", "hold_kv", "remote_kv_tokens",
         "lora_id", "lora_rank",
     )
@@ -67,6 +67,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1   # prefix-cache hit at first admission (-1 = not admitted yet)
         self.block_hashes: list[int] | None = None  # kvcache.hashing.block_hashes, on first need
+        self.block_hash_size = 0                    # the block size those hashes are of
         self.hash_batch: tuple[HashBatch, int] | None = None  # hashed in one pass with its batch (batch, index)
         self.unique_outputs = unique_outputs  # its output tokens are its own (fresh random draws): no other request
                                               # holds a block containing one while it runs (a later turn may, after)

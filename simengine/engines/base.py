@@ -149,6 +149,11 @@ class EnginePolicy(RemoteKV, ABC):
         """Prefix-cache (queried, hit) prompt tokens so far (vLLM's prefix_cache_queries and _hits)."""
         return 0, 0
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Leading prompt tokens of `req` this replica's prefix cache holds now, read without touching it (what a
+        router learns from the engine's KV events); 0 for an engine without a prefix cache."""
+        return 0
+
     def host_tier_stats(self) -> dict | None:
         """KV offload to host memory (kvcache/host_tier.py): None for an engine without it."""
         return None

@@ -35,6 +35,9 @@ class PagedEngine(EnginePolicy):
     def prefix_cache_tokens(self) -> tuple[int, int]:
         return self.kv.query_tokens, self.kv.hit_tokens
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        return self.kv.cached_prefix_tokens(req)
+
     def host_tier_stats(self) -> dict | None:
         """The KV offload tier's figures (None without one): capacity and blocks held, stored and loaded back,
         and the prompt tokens found there."""
@@ -99,3 +102,6 @@ class RadixCacheViews:
 
     def prefix_cache_tokens(self) -> tuple[int, int]:
         return self.cache.query_tokens, self.cache.hit_tokens
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        return self.cache.peek_prefix(req.token_ids[:req.prompt_len])

@@ -108,10 +108,12 @@ class HashBatch:
 
 
 def block_hashes(req: Request, block_size: int) -> list[int]:
-    """The chained hashes of every full block of the request's tokens (computed once, kept on the request;
-    a request is hashed with one block size, its engine's), from its batch's single pass when it has one."""
+    """The chained hashes of every full block of the request's tokens (computed once, kept on the request with
+    their block size: a request is hashed with its engine's, and again only if a router asked a replica with
+    another first), from its batch's single pass when it has one."""
     hashes = req.block_hashes
-    if hashes is None:
+    if hashes is None or req.block_hash_size != block_size:
+        hashes = None
         if req.hash_batch is not None:
             batch, index = req.hash_batch
             req.hash_batch = None
@@ -122,5 +124,5 @@ def block_hashes(req: Request, block_size: int) -> list[int]:
             # extra hash keys), so equal tokens under different adapters share nothing
             salt = (req.lora_id + 1) * 0xD6E8FEB86659FD93
             hashes = _mix(np.array(hashes, dtype=np.uint64) ^ _U64(salt & (2**64 - 1))).tolist()
-        req.block_hashes = hashes
+        req.block_hashes, req.block_hash_size = hashes, block_size
     return hashes

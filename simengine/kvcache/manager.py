@@ -108,6 +108,18 @@ class KVCacheManager:
         self.hit_tokens += hit.num_tokens
         return hit
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Tokens of the request's prompt that cached full blocks hold now, from its first block on, changing
+        nothing (no hit counted, no block touched): what vLLM's KV events tell a router."""
+        if not self.enable_prefix_caching:
+            return 0
+        lookup, n = self.pool.lookup, 0
+        for h in block_hashes(req, self.block_size)[:req.prompt_len // self.block_size]:
+            if lookup(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
                      reserve_tokens: int = 0, watermark_blocks: int = 0) -> bool:
         """Whether allocate_slots would succeed (no state change)."""
@@ -204,7 +216,7 @@ class KVCacheManager:
             if full > hashed:  # publish the newly full blocks
                 last = full if full < len(blocks) else len(blocks)
                 hashes = req.block_hashes
-                if hashes is None:
+                if hashes is None or req.block_hash_size != bs:
                     hashes = block_hashes(req, bs)
                 if last == hashed + 1:
                     self.pool.cache_block(blocks[hashed], hashes[hashed])

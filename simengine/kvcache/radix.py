@@ -125,6 +125,24 @@ class RadixCache:
             self._push(node)
         return pos, node
 
+    def peek_prefix(self, tokens: np.ndarray) -> int:
+        """Tokens of the longest cached prefix of `tokens`, whole pages, changing nothing (no access time, no
+        split): what the cache would report in a KV event stream."""
+        if not self.enabled:
+            return 0
+        end = len(tokens) - len(tokens) % self.page
+        node, pos = self.root, 0
+        while pos < end:
+            child = node.children.get(self._ckey(tokens, pos))
+            if child is None:
+                break
+            n = self._common(child.key, tokens, pos, end)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _split(self, child: RadixNode, n: int) -> RadixNode:
         """Cut `child` after n tokens; the new upper node keeps child's lock count and access time."""
         mid = RadixNode(child.key[:n], child.parent, child.last_access)

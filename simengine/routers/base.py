@@ -18,17 +18,25 @@ class ReplicaState:
     """What a router may read of one replica that is up, at decision time: a load report's figures, or (`live`) the
     replica's engine now, whose KV figures are read only if the router asks for them."""
 
-    __slots__ = ("index", "num_running", "num_waiting", "_kv_usage", "_kv_capacity_tokens", "_engine")
+    __slots__ = ("index", "num_running", "num_waiting", "_kv_usage", "_kv_capacity_tokens", "_engine", "_events")
 
-    def __init__(self, index: int, num_running: int, num_waiting: int, kv_usage: float, kv_capacity_tokens: int):
+    def __init__(self, index: int, num_running: int, num_waiting: int, kv_usage: float, kv_capacity_tokens: int,
+                 events=None):
         self.index, self.num_running, self.num_waiting = index, num_running, num_waiting
         self._kv_usage, self._kv_capacity_tokens, self._engine = kv_usage, kv_capacity_tokens, None
+        self._events = events   # the engine whose KV events the router hears (None: it hears none)
 
     @classmethod
     def live(cls, index: int, engine) -> ReplicaState:
-        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0)
+        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0, events=engine)
         state._engine = engine
         return state
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Leading prompt tokens of `req` the replica's prefix cache holds, as its KV events (vLLM's
+        --kv-events-config, published as blocks are stored and evicted) tell a router now, whatever the age of the
+        load report; 0 where the router hears no events."""
+        return 0 if self._events is None else self._events.cached_prefix_tokens(req)
 
     @property
     def kv_usage(self) -> float:

@@ -1,4 +1,5 @@
-"""Load-balancing routers: round robin, least loaded, least outstanding tokens, least KV usage, power of two choices."""
+"""Load-balancing routers: round robin, random, least loaded, least outstanding tokens, least KV usage, power of
+two choices."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ class RoundRobin(Router):
         pick = replicas[self.turn % len(replicas)].index
         self.turn += 1
         return pick
+
+
+@ROUTERS.register("random")
+class Random(Router):
+    source = "a replica drawn uniformly at random: llm-d's random-picker (the gateway's cache- and load-blind baseline)"
+
+    def choose(self, req: Request, replicas: list[ReplicaState]) -> int:
+        return replicas[int(self.rng.integers(len(replicas)))].index
 
 
 @ROUTERS.register("least_loaded")

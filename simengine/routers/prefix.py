@@ -23,8 +23,8 @@ class PrefixIndex:
         self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
     @staticmethod
-    def hashes(req: Request) -> list[int]:
-        return hash_blocks(req.token_ids[:req.prompt_len], ROUTER_BLOCK_TOKENS)
+    def hashes(req: Request, block_tokens: int = ROUTER_BLOCK_TOKENS) -> list[int]:
+        return hash_blocks(req.token_ids[:req.prompt_len], block_tokens)
 
     def matched_blocks(self, replica: int, hashes: list[int]) -> int:
         """Leading blocks of the prompt this replica was sent (a chained hash: the first miss ends the prefix)."""

@@ -192,7 +192,8 @@ class Runner:
         if self.reported is None:
             return ReplicaState.live(i - first, self.replicas[i].engine)
         s = self.reported[i]
-        return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens)
+        return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens,
+                            events=self.replicas[i].engine)
 
     def _live_state(self, i: int) -> ReplicaState:
         e = self.replicas[i].engine

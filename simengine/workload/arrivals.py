@@ -19,10 +19,12 @@ Period = Annotated[float, Range(0, 1e9, above=True, unit="seconds")]
 
 @dataclass(frozen=True, kw_only=True)
 class LoadStage(Checked):
-    """One stage of a staged run: `int(rate * duration_s)` requests at Poisson times from the stage's start."""
+    """One stage of a staged run: `int(rate * duration_s)` requests from the stage's start, at Poisson times or
+    (`process: constant`, inference-perf's `type: constant`) every 1 / rate seconds."""
 
     rate: Rate
     duration_s: Period
+    process: Literal["poisson", "constant"] = "poisson"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,8 +38,9 @@ class ArrivalConfig(Checked):
     linearly from `ramp_start_rate` to `rate` over `ramp_duration_s` (vLLM --ramp-up-strategy linear), then stays.
     diurnal: a Poisson process with rate(t) = rate * (1 + amplitude * sin(2 pi t / period_s)).
     stages: inference-perf's load stages (kubernetes-sigs/inference-perf loadgen/load_generator.py run_stage): stage
-    j sends int(rate * duration_s) requests at Poisson times from its start, and the next stage starts when all of
-    them have finished; a prompt pool (workload.prompt_groups) restarts at its first prompt each stage.
+    j sends int(rate * duration_s) requests from its start, at Poisson times or evenly spaced (its `process:
+    constant`), and the next stage starts when all of them have finished; a prompt pool (workload.prompt_groups)
+    restarts at its first prompt each stage.
     """
 
     process: Literal["poisson", "gamma", "constant", "offline", "closed_loop", "ramp", "diurnal", "stages"] = "poisson"
@@ -85,8 +88,11 @@ class ArrivalConfig(Checked):
 
 
 def stage_times(stage: LoadStage, rng: np.random.Generator, start_s: float) -> np.ndarray:
-    """A stage's arrival times from `start_s`: its requests at Poisson times at its rate."""
-    return start_s + np.cumsum(rng.exponential(1.0 / stage.rate, int(stage.rate * stage.duration_s)))
+    """A stage's arrival times from `start_s`: its requests at its rate, Poisson or evenly spaced."""
+    n = int(stage.rate * stage.duration_s)
+    if stage.process == "constant":
+        return start_s + np.arange(1, n + 1) / stage.rate
+    return start_s + np.cumsum(rng.exponential(1.0 / stage.rate, n))
 
 
 def arrival_times(cfg: ArrivalConfig, rng: np.random.Generator, n: int, start_s: float) -> np.ndarray:
