@@ -58,7 +58,7 @@ class Experiment:
     batch: int = 1                  # step rows: sequences in the batch
     full_requests: int | None = None   # sim rows: requests the measurement ran (None: unknown)
     notes: list[str] = field(default_factory=list)
-    stage_requests: int | None = None  # staged rows: the measured (last simulated) stage's requests
+    stage_window: tuple[int, int] | None = None  # staged rows: the measured stage's (requests before it, count)
 
     @property
     def entry(self) -> EngineEntry:
@@ -123,10 +123,12 @@ def _numbers(row: Measurement, key: str) -> list[float]:
 @dataclass(frozen=True)
 class Traffic:
     """What the notes' shared-prefix and load-stage items (validation README 'Machine-readable notes') add to the
-    row's workload: inference-perf's shared_prefix prompt pool and its load stages up to the measured one."""
+    row's workload: inference-perf's shared_prefix prompt pool and all its load stages. Each stage starts once every
+    request of the ones before it finished, so the stages after the measured one leave it as it was, and every row
+    of one ladder is read from the same run."""
 
     workload: dict
-    stage_requests: int | None
+    stage_window: tuple[int, int] | None   # the measured stage's requests: (requests made before it, its count)
     note: str
 
 
@@ -135,7 +137,7 @@ def row_traffic(row: Measurement) -> Traffic | str:
     items = row.note_items
     workload: dict = {}
     notes = []
-    stage_requests = None
+    window = None
     if "shared_prefix_len" in items or "prefix_groups" in items:
         multi_turn = row.note_flag("multi_turn")
         prefix, question = row.note_int("shared_prefix_len"), row.note_int("question_len")
@@ -156,7 +158,8 @@ def row_traffic(row: Measurement) -> Traffic | str:
         if not rates or not durations or len(durations) not in (1, len(rates)):
             return "a staged row needs stage_rates and stage_duration_s (one, or one per stage) in the notes"
         durations = durations * len(rates) if len(durations) == 1 else durations
-        at = [i for i, r in enumerate(rates) if row.arrival.kind == "poisson" and r == row.arrival.value]
+        process = "constant" if row.arrival.kind == "constant" else "poisson"
+        at = [i for i, r in enumerate(rates) if row.arrival.kind == process and r == row.arrival.value]
         stated = row.note_int("stage")
         if len(at) == 1:
             k = at[0]
@@ -164,19 +167,45 @@ def row_traffic(row: Measurement) -> Traffic | str:
             k = stated
         else:
             return f"which of the stages {rates} the row measured is not clear (stage={stated}, arrival {row.arrival})"
-        stages = [{"rate": r, "duration_s": d} for r, d in zip(rates[:k + 1], durations[:k + 1], strict=True)]
-        stage_requests = int(rates[k] * durations[k])
-        if not stage_requests:
+        counts = [int(r * d) for r, d in zip(rates, durations, strict=True)]
+        if not counts[k]:
             return f"stage {k} sends int({rates[k]:g} x {durations[k]:g} s) = 0 requests"
-        workload["arrival"] = {"process": "stages", "stages": stages}
-        notes.append(f"stage {k} of {len(rates)} ({stage_requests} requests) after the {k} before it")
-    return Traffic(workload, stage_requests, "; ".join(notes))
+        window = (sum(counts[:k]), counts[k])
+        workload["arrival"] = {"process": "stages", "stages": [
+            {"rate": r, "duration_s": d, "process": process} for r, d in zip(rates, durations, strict=True)]}
+        notes.append(f"stage {k} of {len(rates)} ({counts[k]} requests) after the {k} before it")
+    return Traffic(workload, window, "; ".join(notes))
+
+
+def row_router(row: Measurement) -> dict:
+    """The deployment's router as the notes name it (`router=NAME`, a simengine router, and `router_params=k:v/k:v`
+    with its knobs), {} when they name none (the deployment's default)."""
+    items = row.note_items
+    name = items.get("router", "").split()[:1]
+    if not name:
+        return {}
+    params: dict = {}
+    raw = items.get("router_params", "").split()
+    for pair in raw[0].split("/") if raw else []:
+        key, _, value = pair.partition(":")
+        params[key] = _scalar(value)
+    return {"router": name[0], "router_params": params}
+
+
+def _scalar(text: str):
+    """A notes value as the number it spells, else the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _arrival(row: Measurement) -> dict:
     a = row.arrival
-    if a.kind == "poisson":
-        return {"process": "poisson", "rate": a.value}
+    if a.kind in ("poisson", "constant"):
+        return {"process": a.kind, "rate": a.value}
     if a.kind == "concurrency":
         return {"process": "closed_loop", "concurrency": int(a.value or 1)}
     if a.kind == "single":
@@ -201,13 +230,13 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
                        "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas,
-                       "cost_model": cost_model},
+                       "cost_model": cost_model, **row_router(row)},
         "workload": workload,
         "engines": [{"engine": engine, "params": dict(params or {})}],
     }
-    if traffic.stage_requests:   # the stages set the count; an ITL statistic of a stage needs each token's time
+    if traffic.stage_window:   # the stages set the count; an ITL quantile of a stage needs each token's time
         workload.pop("num_requests")
-        if "_itl_" in row.metric:
+        if "_itl_" in row.metric and not row.metric.startswith("mean_"):
             data["output"] = {"detailed_requests": 10_000_000}
     return from_dict(Scenario, data, source="row")
 
@@ -250,10 +279,10 @@ def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
         notes = [x for x in (note, lengths[2], traffic.note) if x]
         if n is None and a.kind == "offline":
             notes.append("num_requests not stated: steady-state rate")
-        if traffic.stage_requests:
-            n = traffic.stage_requests
+        if traffic.stage_window:
+            n = sum(int(s["rate"] * s["duration_s"]) for s in traffic.workload["arrival"]["stages"])
         return Experiment(row, "sim", engine, scenario_for(row, engine, n or OPEN_LOOP_CAP, params, cost_model),
-                          params, full_requests=n, notes=notes, stage_requests=traffic.stage_requests)
+                          params, full_requests=n, notes=notes, stage_window=traffic.stage_window)
     except InputError as exc:
         return Skip(row, str(exc))
 

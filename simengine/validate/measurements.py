@@ -24,7 +24,7 @@ LATENCY_STATS = ("mean", "median", "p90", "p99")
 LATENCY_QUANTITIES = ("ttft", "tpot", "itl", "e2el")
 LATENCY_METRICS = tuple(f"{s}_{q}_ms" for q in LATENCY_QUANTITIES for s in LATENCY_STATS)
 METRICS = (*RATE_METRICS, *LATENCY_METRICS, *STEP_METRICS)
-ARRIVALS = ("offline", "poisson", "concurrency", "single", "batch")
+ARRIVALS = ("offline", "poisson", "constant", "concurrency", "single", "batch")
 FLAGS = ("assumed", "SUSPECT", "CONFLICT", "SECONDARY", "CORRECTED")
 _ID = re.compile(r"^[a-z0-9_.-]+$")
 _DATASET_FLAG = re.compile(r"--dataset-name[ =]([A-Za-z0-9_-]+)")
@@ -35,7 +35,7 @@ _NOTE_ITEM = re.compile(r"^\s*([a-z_][a-z0-9_]*)\s*=\s*(\S.*?)\s*$")
 class Arrival:
     """How the measured requests arrived: kind plus its number (rate, concurrency or batch size)."""
 
-    kind: str                  # offline | poisson | concurrency | single | batch
+    kind: str                  # offline | poisson | constant | concurrency | single | batch
     value: float | None = None
 
     def __str__(self) -> str:
@@ -130,11 +130,11 @@ def _int(text: str, column: str, where: str, *, blank_ok: bool, minimum: int = 0
 
 
 def parse_arrival(text: str, where: str = "") -> Arrival:
-    """'offline', 'single', 'poisson:RATE', 'concurrency:N' or 'batch:N'."""
+    """'offline', 'single', 'poisson:RATE', 'constant:RATE' (evenly spaced), 'concurrency:N' or 'batch:N'."""
     kind, _, num = text.strip().partition(":")
     if kind not in ARRIVALS:
-        raise InputError(f"'{text}' is not one of offline, single, poisson:RATE, concurrency:N, batch:N",
-                         source=where, field="arrival")
+        raise InputError(f"'{text}' is not one of offline, single, poisson:RATE, constant:RATE, concurrency:N, "
+                         "batch:N", source=where, field="arrival")
     if kind in ("offline", "single"):
         if num:
             raise InputError(f"'{text}': {kind} takes no number", source=where, field="arrival")
@@ -143,8 +143,9 @@ def parse_arrival(text: str, where: str = "") -> Arrival:
         value = float(num)
     except ValueError:
         raise InputError(f"'{text}': {kind} needs a number after ':'", source=where, field="arrival") from None
-    if not math.isfinite(value) or value <= 0 or (kind != "poisson" and not value.is_integer()):
-        raise InputError(f"'{text}': {kind} needs a {'positive' if kind == 'poisson' else 'positive integer'} "
+    rate = kind in ("poisson", "constant")
+    if not math.isfinite(value) or value <= 0 or (not rate and not value.is_integer()):
+        raise InputError(f"'{text}': {kind} needs a {'positive' if rate else 'positive integer'} "
                          "number", source=where, field="arrival")
     return Arrival(kind=kind, value=value)
 

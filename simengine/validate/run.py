@@ -6,6 +6,7 @@ Every prediction that is a function of step times (step metrics, offline through
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -155,9 +156,33 @@ def run_step(exp: Experiment) -> Prediction:
 
 
 # ---- simulated experiments ----------------------------------------------------------------------------
+# the last load-stage ladder simulated in this process (ladder_key -> _simulate's result), so that the rows read from
+# one ladder's run (run_rows sends them to one worker, one after another) share it
+_LADDER: dict[tuple, tuple] = {}
+
+
+def ladder_key(exp: Experiment) -> tuple | None:
+    """What makes a staged row's run (every stage of its ladder, whichever stage and metric the row reads), or None
+    for a row whose run is its own."""
+    if not exp.stage_window or exp.kind != "sim":
+        return None
+    return repr(dataclasses.replace(exp.scenario, name="ladder")), repr(exp.entry)
+
+
 def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], Any, Any, float]:
     """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails.
     Returns (per-replica recorded costs, requests frame, recorder, the frontend latency)."""
+    key = ladder_key(exp)
+    if key is not None and key in _LADDER:
+        return _LADDER[key]
+    result = _run_stream(exp, n)
+    if key is not None:
+        _LADDER.clear()
+        _LADDER[key] = result
+    return result
+
+
+def _run_stream(exp: Experiment, n: int) -> tuple[list[RecordingCost], Any, Any, float]:
     from simengine.metrics.frames import requests_frame
 
     scenario = scenario_for(exp.row, exp.engine, n, exp.params, exp.scenario.deployment.cost_model)
@@ -245,22 +270,29 @@ def run_sim(exp: Experiment) -> Prediction:
     if r.metric in RATE_METRICS and r.arrival.kind in ("offline", "batch"):
         return _offline_rate(exp, n, info)
     _, frame, recorder, _ = _simulate(exp, n)
-    if exp.stage_requests:   # the measured stage: the last requests made (every earlier stage finished first)
-        return Prediction(r, exp.engine, _stage_metric(r.metric, frame, recorder, exp.stage_requests), info=info)
+    if exp.stage_window:   # the measured stage of the ladder's run (every earlier stage finished first)
+        return Prediction(r, exp.engine, _stage_metric(r.metric, frame, recorder, exp.stage_window), info=info)
     if r.metric in RATE_METRICS:
         return Prediction(r, exp.engine, _rate_numerator(r.metric, frame) / float(frame["finish_s"].max()), info=info)
     return Prediction(r, exp.engine, _latency_metric(r.metric, frame, recorder), info=info)
 
 
-def _stage_metric(metric: str, frame, recorder, requests: int) -> float:
-    """A metric over one load stage's requests: a rate over the stage's span, from its start (the last finish of
-    the stages before, as summary.json's `stages`) to its last finish; a per-request latency over them; ITL over
-    the gaps between their tokens (scenario_for keeps every request's token times for such a row)."""
+def _stage_metric(metric: str, frame, recorder, window: tuple[int, int]) -> float:
+    """A metric over one load stage's requests (`window`: the requests made before it, its count): a rate over the
+    stage's span, from its start (the last finish of the stages before, as summary.json's `stages`) to its last
+    finish; a per-request latency over them; ITL over the gaps between their tokens: the mean is every request's
+    first-to-last token time over its gaps, summed (the gaps telescope), a quantile needs each token's time
+    (scenario_for keeps them for such a row)."""
     ordered = frame.sort_values("request_id")
-    stage, before = ordered.tail(requests), ordered.head(len(ordered) - requests)
+    first, count = window
+    stage, before = ordered.iloc[first:first + count], ordered.iloc[:first]
     if metric in RATE_METRICS:
         start = float(before["finish_s"].max()) if len(before) else 0.0
         return _rate_numerator(metric, stage) / (float(stage["finish_s"].max()) - start)
+    if metric == "mean_itl_ms":
+        num_gaps = float((stage["num_output_tokens"] - 1).sum())
+        span_s = float((stage["finish_s"] - stage["first_token_s"]).sum())
+        return 1e3 * span_s / num_gaps if num_gaps else math.nan
     if "_itl_" in metric:
         times = recorder.token_times
         gaps = [np.diff(np.asarray(times[i])) for i in stage["request_id"].tolist() if i in times]
@@ -299,20 +331,47 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def run_task(rows: list[Measurement], kernels: str = "auto") -> list[Prediction | Skip]:
+    """Run rows one after another in this process: a load-stage ladder's rows share its one run."""
+    try:
+        return [run_row(r, kernels) for r in rows]
+    finally:
+        _LADDER.clear()
+
+
+def row_tasks(rows: list[Measurement], kernels: str = "auto") -> list[list[int]]:
+    """The rows' indices in tasks: the rows of one load-stage ladder together, every other row alone; the slow
+    simulated tasks first, so that a pool does not end waiting on one of them."""
+    ladders: dict[tuple, list[int]] = {}
+    tasks: list[list[int]] = []
+    for i, row in enumerate(rows):
+        exp = plan_row(row, kernels)
+        key = None if isinstance(exp, Skip) else ladder_key(exp)
+        if key is None:
+            tasks.append([i])
+        elif key in ladders:
+            ladders[key].append(i)
+        else:
+            tasks.append(ladders.setdefault(key, [i]))
+    return sorted(tasks, key=lambda t: (len(t) == 1, rows[t[0]].metric.endswith(("_ms", "tok_s")) and
+                                        rows[t[0]].arrival.kind in ("single", "batch")))
+
+
 def run_rows(rows: list[Measurement], jobs: int = 2, kernels: str = "auto") -> list[Prediction | Skip]:
     """Run every row, in `jobs` worker processes (results in row order)."""
-    if jobs <= 1 or len(rows) <= 1:
-        return [run_row(r, kernels) for r in rows]
-    import functools
-    import multiprocessing as mp
+    tasks = row_tasks(rows, kernels)
+    if jobs <= 1 or len(tasks) <= 1:
+        results = [run_task([rows[i] for i in t], kernels) for t in tasks]
+    else:
+        import functools
+        import multiprocessing as mp
 
-    # the slow simulated rows first, so the pool does not end waiting on one of them
-    order = sorted(range(len(rows)), key=lambda i: rows[i].metric.endswith(("_ms", "tok_s")) and
-                   rows[i].arrival.kind in ("single", "batch"))
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    with ctx.Pool(jobs, initializer=_default_sigterm) as pool:
-        results = pool.map(functools.partial(run_row, kernels=kernels), [rows[i] for i in order], chunksize=1)
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+        with ctx.Pool(jobs, initializer=_default_sigterm) as pool:
+            results = pool.map(functools.partial(run_task, kernels=kernels), [[rows[i] for i in t] for t in tasks],
+                               chunksize=1)
     out: list[Prediction | Skip] = [None] * len(rows)  # type: ignore[list-item]
-    for i, res in zip(order, results, strict=True):
-        out[i] = res
+    for task, res in zip(tasks, results, strict=True):
+        for i, r in zip(task, res, strict=True):
+            out[i] = r
     return out

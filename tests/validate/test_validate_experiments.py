@@ -3,6 +3,7 @@
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from simengine.validate.bench_tools import trtllm_bench_params
@@ -204,13 +205,16 @@ def prefix_row(**kw) -> Measurement:
 def test_shared_prefix_and_stage_notes_run_inference_perfs_traffic():
     """README 'Machine-readable notes': the shared_prefix items make inference-perf's prompt pool (the question is
     input_len less the prefix where question_len is absent) and the stage items its load stages up to the measured
-    one, found by the row's rate."""
+    one, found by the row's rate; the row reads its stage from a run of every stage."""
     exp = plan_row(prefix_row())
     wl = exp.scenario.workload
     assert (wl.prompt_groups.groups, wl.prompt_groups.prompts_per_group, wl.prompt_groups.prefix_tokens) == (8, 4, 1024)
     assert wl.input_tokens.value == 128 and wl.num_requests is None
-    assert wl.arrival.process == "stages" and [(s.rate, s.duration_s) for s in wl.arrival.stages] == [(1, 20), (3, 20)]
-    assert exp.stage_requests == 60
+    # the whole ladder runs; the row reads its stage's 60 requests, after the 20 of the stage before
+    assert wl.arrival.process == "stages"
+    assert [(s.rate, s.duration_s, s.process) for s in wl.arrival.stages] == [(1, 20, "poisson"), (3, 20, "poisson"),
+                                                                               (5, 20, "poisson")]
+    assert exp.stage_window == (20, 60)
     no_question = plan_row(prefix_row(notes=PREFIX_NOTES.replace("question_len=128; ", "")))
     assert no_question.scenario.workload.input_tokens.value == 1152 - 1024
     assert not wl.prompt_groups.multi_turn
@@ -257,3 +261,49 @@ def test_a_stage_row_reads_itl_statistics_from_its_requests_token_times():
     # the same stage's TPOT (per request: decode time over its gaps) averages what the pooled mean ITL says
     tpot = run_row(prefix_row(metric="mean_tpot_ms")).predicted
     assert mean == pytest.approx(tpot, rel=0.05)
+
+
+def test_the_stages_after_a_row_leave_its_stage_as_it_was():
+    """A stage starts once every request before it finished, so a row reads the same stage from the whole ladder's
+    run as from a run that stops at it: one run serves every row of a ladder."""
+    for metric in ("mean_ttft_ms", "p90_ttft_ms", "output_throughput_tok_s"):
+        whole = run_row(prefix_row(metric=metric)).predicted
+        cut = run_row(prefix_row(metric=metric, notes=f"{PREFIX_NOTES}; stage=1; stage_duration_s=20; "
+                                                      "stage_rates=1/3")).predicted
+        assert whole == cut
+
+
+def test_a_ladders_rows_share_one_run_and_read_what_each_alone_reads():
+    from simengine.validate.run import row_tasks, run_rows
+    rows = [prefix_row(metric=m) for m in ("mean_ttft_ms", "mean_itl_ms", "output_throughput_tok_s")]
+    rows += [prefix_row(metric="mean_ttft_ms", arrival=Arrival(kind="poisson", value=5)),   # the ladder's stage 2
+             prefix_row(notes=PREFIX_NOTES)]                                                 # no stages: its own run
+    tasks = row_tasks(rows)
+    assert sorted(map(sorted, tasks)) == [[0, 1, 2, 3], [4]]
+    together = run_rows(rows, jobs=2)
+    assert [p.predicted for p in together] == [run_row(r).predicted for r in rows]
+
+
+def test_a_stages_mean_itl_is_its_decode_time_over_its_gaps():
+    """The mean ITL of a stage, read without token times (each request's gaps telescope to its first-to-last token
+    time), equals the mean of every gap between its requests' tokens."""
+    from simengine.validate.run import _simulate, _stage_metric
+    exp = plan_row(prefix_row(metric="p99_itl_ms"))          # a quantile: the run keeps every token's time
+    _, frame, recorder, _ = _simulate(exp, exp.full_requests)
+    first, count = exp.stage_window
+    ids = frame.sort_values("request_id")["request_id"].iloc[first:first + count]
+    gaps = np.concatenate([np.diff(recorder.token_times[i]) for i in ids])
+    assert _stage_metric("mean_itl_ms", frame, recorder, exp.stage_window) == pytest.approx(1e3 * gaps.mean())
+
+
+def test_constant_arrivals_and_a_named_router_reach_the_deployment():
+    from simengine.validate.measurements import parse_arrival
+    assert parse_arrival("constant:2.5") == Arrival(kind="constant", value=2.5)
+    exp = plan_row(prefix_row(num_gpus=4, arrival=Arrival(kind="constant", value=3),
+                              notes=f"{PREFIX_NOTES}; {STAGE_NOTES}; router=llm_d; "
+                                    "router_params=prefix_mode:precise/queue_weight:2"))
+    dep = exp.scenario.deployment
+    assert dep.replicas == 4 and dep.router == "llm_d"
+    assert dep.router_params == {"prefix_mode": "precise", "queue_weight": 2}
+    assert {s.process for s in exp.scenario.workload.arrival.stages} == {"constant"}
+    assert plan_row(prefix_row()).scenario.deployment.router == "least_loaded"   # none named: the default
