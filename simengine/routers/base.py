@@ -77,6 +77,10 @@ class Router(ABC):
     def choose(self, req: Request, replicas: list[ReplicaState]) -> int:
         """The index (ReplicaState.index) of the replica to send `req` to."""
 
+    def one_of(self, indices: list[int]) -> int:
+        """One of equally good replicas, drawn at random (no draw when there is one)."""
+        return indices[int(self.rng.integers(len(indices)))] if len(indices) > 1 else indices[0]
+
     def finished(self, req: Request, replica: int) -> None:  # noqa: B027  (optional hook)
         """`req`, placed on `replica`, left it."""
 

@@ -63,7 +63,7 @@ class Llmd(Router):
             scores = [s + p.prefix_cache_weight * x for s, x in zip(scores, prefix)]
         top = max(scores)
         best = [r.index for r, s in zip(replicas, scores) if s == top]
-        pick = best[int(self.rng.integers(len(best)))] if len(best) > 1 else best[0]
+        pick = self.one_of(best)
         if hashes is not None:   # PreRequest: the approximate index learns where the prompt went
             self.index.insert(pick, hashes, p.lru_capacity_per_server)
         return pick

@@ -81,7 +81,7 @@ class PrefixAware(Router):
             share = top * ROUTER_BLOCK_TOKENS / max(req.prompt_len, 1)
             if share > p.cache_threshold:   # the longest match; equals (a shared system prompt) drawn at random
                 best = [r.index for r, m in zip(replicas, matched) if m == top]
-                pick = best[int(self.rng.integers(len(best)))] if len(best) > 1 else best[0]
+                pick = self.one_of(best)
             else:
                 pick = min(replicas, key=lambda r: (len(self.index.blocks[r.index]), r.index)).index
         self.index.insert(pick, hashes, p.max_tree_size // ROUTER_BLOCK_TOKENS)
