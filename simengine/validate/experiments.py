@@ -178,18 +178,21 @@ def row_traffic(row: Measurement) -> Traffic | str:
 
 
 def row_router(row: Measurement) -> dict:
-    """The deployment's router as the notes name it (`router=NAME`, a simengine router, and `router_params=k:v/k:v`
-    with its knobs), {} when they name none (the deployment's default)."""
+    """The deployment's router as the notes name it (`router=NAME`, a simengine router, `router_params=k:v/k:v` with
+    its knobs, and `router_state_delay_s=S`, how often it reads the replicas' load), {} when they name none (the
+    deployment's default)."""
     items = row.note_items
     name = items.get("router", "").split()[:1]
     if not name:
         return {}
+    delay = _NUMBER.match(items.get("router_state_delay_s", ""))
     params: dict = {}
     raw = items.get("router_params", "").split()
     for pair in raw[0].split("/") if raw else []:
         key, _, value = pair.partition(":")
         params[key] = _scalar(value)
-    return {"router": name[0], "router_params": params}
+    return {"router": name[0], "router_params": params, **({"router_state_delay_s": float(delay.group(0))}
+                                                           if delay else {})}
 
 
 def _scalar(text: str):

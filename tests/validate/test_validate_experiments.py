@@ -301,9 +301,9 @@ def test_constant_arrivals_and_a_named_router_reach_the_deployment():
     assert parse_arrival("constant:2.5") == Arrival(kind="constant", value=2.5)
     exp = plan_row(prefix_row(num_gpus=4, arrival=Arrival(kind="constant", value=3),
                               notes=f"{PREFIX_NOTES}; {STAGE_NOTES}; router=llm_d; "
-                                    "router_params=prefix_mode:precise/queue_weight:2"))
+                                    "router_params=prefix_mode:precise/queue_weight:2; router_state_delay_s=0.05"))
     dep = exp.scenario.deployment
-    assert dep.replicas == 4 and dep.router == "llm_d"
+    assert dep.replicas == 4 and dep.router == "llm_d" and dep.router_state_delay_s == 0.05
     assert dep.router_params == {"prefix_mode": "precise", "queue_weight": 2}
     assert {s.process for s in exp.scenario.workload.arrival.stages} == {"constant"}
     assert plan_row(prefix_row()).scenario.deployment.router == "least_loaded"   # none named: the default
