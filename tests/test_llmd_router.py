@@ -171,3 +171,31 @@ def test_a_constant_stage_spaces_its_requests_evenly(fleet):
     req = fleet["random"][1].sort_values("request_id").iloc[40:]
     gaps = np.diff(req["arrival_s"].to_numpy())
     assert gaps == pytest.approx(np.full(39, 0.25))
+
+
+def test_the_published_queue_is_what_the_last_scheduling_pass_left(monkeypatch):
+    """vLLM sets num_requests_waiting from the scheduler's stats at the end of each step, before the requests that
+    arrived during the step join the scheduler: the published queue changes only at a scheduling pass, while
+    arrivals in between lengthen the live one."""
+    from simengine.sim.replica import Replica
+    from simengine.sim.runner import Runner
+    seen = {"after_pass": 0, "ahead": 0}
+    scheduled, submit = Replica.scheduled, Replica.submit
+
+    def after_pass(self, out):
+        scheduled(self, out)
+        assert self.waiting_published == self.engine.num_waiting()
+        seen["after_pass"] += 1
+
+    def arrival(self, req):
+        before = self.waiting_published
+        submit(self, req)
+        assert self.waiting_published == before
+        seen["ahead"] += self.engine.num_waiting() > before
+
+    monkeypatch.setattr(Replica, "scheduled", after_pass)
+    monkeypatch.setattr(Replica, "submit", arrival)
+    sc = make_scenario(horizon_s=10.0, workload__arrival__rate=40.0, deployment__replicas=2,
+                       deployment__router="llm_d")
+    Runner(sc, sc.engines[0]).run()
+    assert seen["after_pass"] > 100 and seen["ahead"] > 10

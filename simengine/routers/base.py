@@ -18,17 +18,21 @@ class ReplicaState:
     """What a router may read of one replica that is up, at decision time: a load report's figures, or (`live`) the
     replica's engine now, whose KV figures are read only if the router asks for them."""
 
-    __slots__ = ("index", "num_running", "num_waiting", "_kv_usage", "_kv_capacity_tokens", "_engine", "_events")
+    __slots__ = ("index", "num_running", "num_waiting", "waiting_published", "_kv_usage", "_kv_capacity_tokens",
+                 "_engine", "_events")
 
     def __init__(self, index: int, num_running: int, num_waiting: int, kv_usage: float, kv_capacity_tokens: int,
-                 events=None):
+                 events=None, waiting_published: int | None = None):
         self.index, self.num_running, self.num_waiting = index, num_running, num_waiting
+        # the queue the engine's metrics publish: what its last scheduling pass left waiting (sim/replica.py)
+        self.waiting_published = num_waiting if waiting_published is None else waiting_published
         self._kv_usage, self._kv_capacity_tokens, self._engine = kv_usage, kv_capacity_tokens, None
         self._events = events   # the engine whose KV events the router hears (None: it hears none)
 
     @classmethod
-    def live(cls, index: int, engine) -> ReplicaState:
-        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0, events=engine)
+    def live(cls, index: int, engine, waiting_published: int | None = None) -> ReplicaState:
+        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0, events=engine,
+                    waiting_published=waiting_published)
         state._engine = engine
         return state
 

@@ -36,7 +36,8 @@ class LlmdParams(Checked):
 @ROUTERS.register("llm_d")
 class Llmd(Router):
     """Each pod's score is the weighted sum of its scorers' scores, each in [0, 1]: queue-scorer
-    (max - waiting) / (max - min) waiting requests over the pods (1 when all are equal), kv-cache-utilization-scorer
+    (max - waiting) / (max - min) waiting requests over the pods (1 when all are equal; the queue the pod's metrics
+    publish, what its last scheduling pass left waiting), kv-cache-utilization-scorer
     1 - KV usage, prefix-cache-scorer the share of the prompt's hashed blocks the pod holds (approximate), or the
     pod's cached leading blocks min-max normalised over the pods holding any, 1 when they hold alike and 0 for the
     others (precise). The highest score wins, equals at random (max-score-picker shuffles before its stable sort)."""
@@ -51,7 +52,7 @@ class Llmd(Router):
 
     def choose(self, req: Request, replicas: list[ReplicaState]) -> int:
         p = self.params
-        waiting = [r.num_waiting for r in replicas]
+        waiting = [r.waiting_published for r in replicas]   # vLLM's num_requests_waiting, as the EPP scrapes it
         low, high = min(waiting), max(waiting)
         scores = [p.queue_weight * (1.0 if high == low else (high - w) / (high - low)) for w in waiting]
         if p.kv_cache_weight:

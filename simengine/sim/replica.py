@@ -26,6 +26,10 @@ class Replica:
         self.check = check_invariants
         self._wake: simpy.Event | None = None
         self.schedules = 0          # schedule calls so far
+        # requests left waiting by the last schedule call: the engine's published queue (vLLM sets its
+        # num_requests_waiting gauge from the scheduler's stats at the end of each step, before the arrivals that
+        # came in during the step join the scheduler)
+        self.waiting_published = 0
         # prefill/decode disaggregation (the runner sets them on pools that need them): called with the requests a
         # decode engine reserved blocks for, and with each step's output on a layerwise prefill replica
         self.on_kv_reserved: Callable[[list[Request], int], None] | None = None
@@ -59,8 +63,9 @@ class Replica:
             self._wake.succeed()
 
     def scheduled(self, out: SchedulerOutput) -> None:
-        """Bookkeeping after each schedule call: the count, and the disaggregation hooks."""
+        """Bookkeeping after each schedule call: the count, the published queue, and the disaggregation hooks."""
         self.schedules += 1
+        self.waiting_published = self.engine.num_waiting()
         if out.kv_reserved:
             assert self.on_kv_reserved is not None, "a decode-role engine reserved KV on a replica without a KV path"
             self.on_kv_reserved(out.kv_reserved, self.index)

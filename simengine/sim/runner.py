@@ -189,15 +189,18 @@ class Runner:
 
     def _state(self, i: int, first: int) -> ReplicaState:
         """Replica i's state as its router sees it (the last load report, or now), numbered from `first`."""
+        rep = self.replicas[i]
         if self.reported is None:
-            return ReplicaState.live(i - first, self.replicas[i].engine)
+            return ReplicaState.live(i - first, rep.engine, rep.waiting_published)
         s = self.reported[i]
         return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens,
-                            events=self.replicas[i].engine)
+                            events=rep.engine, waiting_published=s.waiting_published)
 
     def _live_state(self, i: int) -> ReplicaState:
-        e = self.replicas[i].engine
-        return ReplicaState(i, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens())
+        rep = self.replicas[i]
+        e = rep.engine
+        return ReplicaState(i, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens(),
+                            waiting_published=rep.waiting_published)
 
     def _load_reports(self, every_s: float):
         """Every replica reports its state every `every_s` seconds; the router sees only the latest reports."""
