@@ -59,8 +59,11 @@ class Llmd(Router):
             scores = [s + p.kv_cache_weight * (1.0 - r.kv_usage) for s, r in zip(scores, replicas)]
         hashes = None
         if p.prefix_cache_weight:
-            prefix = (self._precise(req, replicas) if p.prefix_mode == "precise"
-                      else self._approximate(hashes := self._hashes(req), replicas))
+            if p.prefix_mode == "precise":
+                prefix = self._precise(req, replicas)
+            else:
+                hashes = self._hashes(req)
+                prefix = self._approximate(hashes, replicas)
             scores = [s + p.prefix_cache_weight * x for s, x in zip(scores, prefix)]
         top = max(scores)
         best = [r.index for r, s in zip(replicas, scores) if s == top]
