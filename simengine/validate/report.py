@@ -67,9 +67,18 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return float(s) / pairs
 
 
+def contender(p: Prediction) -> str:
+    """What a side-by-side row measured: its engine, and the router its notes name (`router=`, `router_params=`)."""
+    items = p.row.note_items
+    router = items.get("router", "").split()[:1]
+    params = items.get("router_params", "").split()[:1]
+    return p.engine + (f"@{router[0]}" if router else "") + (f"[{params[0]}]" if params else "")
+
+
 def ranking_groups(preds: list[Prediction]) -> list[dict]:
-    """Rows that measured several engines side by side (same source, device, model, dtype, parallelism, lengths,
-    arrival and metric): does the simulator order the engines as the measurement does? One dict per group."""
+    """Rows that measured several engines (or routers) side by side (same source, device, model, dtype,
+    parallelism, lengths, arrival and metric): does the simulator order them as the measurement does? One dict per
+    group."""
     from simengine.validate.experiments import stated_means
 
     groups: dict[tuple, list[Prediction]] = defaultdict(list)
@@ -80,14 +89,14 @@ def ranking_groups(preds: list[Prediction]) -> list[dict]:
                 str(r.arrival), r.metric)].append(p)
     out = []
     for key, g in groups.items():
-        if len({p.engine for p in g}) < 2:
+        if len({contender(p) for p in g}) < 2:
             continue
         g = sorted(g, key=lambda p: p.row.value)
         shown = "/".join(f"{x:g}" if x is not None else "?" for x in key[6]) if key[6] else ""
         out.append({"group": f"{key[1]} {key[2]} tp{key[4]} {key[7]} {shown} {key[8]} {key[9]}".replace("  ", " "),
                     "engines": len(g), "tau": kendall_tau([p.row.value for p in g], [p.predicted for p in g]),
-                    "measured": " < ".join(p.engine for p in g),
-                    "predicted": " < ".join(p.engine for p in sorted(g, key=lambda p: p.predicted))})
+                    "measured": " < ".join(contender(p) for p in g),
+                    "predicted": " < ".join(contender(p) for p in sorted(g, key=lambda p: p.predicted))})
     return sorted(out, key=lambda d: d["group"])
 
 
@@ -95,7 +104,7 @@ def ranking_table(preds: list[Prediction]) -> list[str]:
     rows = ranking_groups(preds)
     if not rows:
         return []
-    lines = [f"{'engines side by side (Kendall tau of measured vs predicted order)':70s} {'n':>3s} {'tau':>6s}"]
+    lines = [f"{'engines or routers side by side (Kendall tau, measured vs predicted)':70s} {'n':>3s} {'tau':>6s}"]
     for d in rows:
         lines.append(f"{d['group'][:70]:70s} {d['engines']:3d} {d['tau']:+6.2f}   measured {d['measured']}; "
                      f"predicted {d['predicted']}")

@@ -307,3 +307,17 @@ def test_constant_arrivals_and_a_named_router_reach_the_deployment():
     assert dep.router_params == {"prefix_mode": "precise", "queue_weight": 2}
     assert {s.process for s in exp.scenario.workload.arrival.stages} == {"constant"}
     assert plan_row(prefix_row()).scenario.deployment.router == "least_loaded"   # none named: the default
+
+
+def test_routers_measured_side_by_side_are_ranked_like_engines():
+    """Rows of one run that differ only in the router their notes name form a side-by-side group: the validator
+    reports whether the simulator orders the routers as measured (Kendall's tau)."""
+    from simengine.validate.report import ranking_groups
+    from simengine.validate.run import Prediction
+    notes = ("router=random", "router=llm_d; router_params=prefix_mode:precise", "router=llm_d")
+    rows = [prefix_row(id=f"r{i}", num_gpus=4, notes=n, value=v)
+            for i, (n, v) in enumerate(zip(notes, (900, 150, 200), strict=True))]
+    groups = ranking_groups([Prediction(r, "vllm", p) for r, p in zip(rows, (600.0, 40.0, 35.0), strict=True)])
+    assert len(groups) == 1 and groups[0]["engines"] == 3
+    assert groups[0]["tau"] == pytest.approx(1 / 3)   # two pairs in the measured order, one reversed
+    assert groups[0]["measured"] == "vllm@llm_d[prefix_mode:precise] < vllm@llm_d < vllm@random"
