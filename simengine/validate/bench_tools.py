@@ -104,13 +104,17 @@ def lmdeploy_benchmark_params(row: Measurement) -> dict:
             "max_context_token_num": 4 * load_model(row.model).max_model_len}
 
 
-_FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()]*|[^\s;()-][^\s;()]*))?")
+_FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()`]*|[^\s;()`-][^\s;()`]*))?")   # `quoted commands`
 # the benchmark client's own flags (vllm bench serve, sglang.bench_serving), not engine knobs
 CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
                           "tokenizer", "disable-log-requests", "disable-log-stats", "ignore-eos", "model", "port",
                           "host", "tensor", "tp", "tensor-parallel-size", "dtype", "max-concurrency",
                           "sonnet-input-len", "sonnet-output-len", "sonnet-prefix-len", "random-input-len",
-                          "random-output-len"})
+                          "random-output-len", "endpoint"})
+# flags of the deployment, which the row's columns (tp, pp) and layout items (expert_parallel=, attention_dp=) carry,
+# and of where the server listens or finds its checkpoint: not engine knobs, never reported as unmodelled
+DEPLOYMENT_FLAGS = frozenset({"tp-size", "tp_size", "pp-size", "pp_size", "pipeline-parallel-size", "ep-size",
+                              "ep_size", "enable-expert-parallel", "enable-dp-attention", "model-path"})
 # argparse accepts unambiguous prefixes; the abbreviations sources print, and flags since renamed, as the engine's
 # argument name today (SGLang v0.3's --max-torch-compile-bs, PR #1497)
 FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torch_compile_max_bs",
@@ -144,7 +148,7 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
     ignored: list[str] = []
     items = [(NOTE_KNOBS[k], v.split()[0]) for k, v in row.note_items.items() if k in NOTE_KNOBS]
     for name, value in _FLAG.findall(row.notes) + items:
-        if name in CLIENT_FLAGS:
+        if name in CLIENT_FLAGS or name in DEPLOYMENT_FLAGS:
             continue
         key = FLAG_ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
         if key.startswith("no_") and key[3:] in fields:   # argparse's --no-<flag> (BooleanOptionalAction)

@@ -177,6 +177,13 @@ def row_traffic(row: Measurement) -> Traffic | str:
     return Traffic(workload, window, "; ".join(notes))
 
 
+def row_layout(row: Measurement) -> dict:
+    """The MoE layout items of the notes (`expert_parallel=true`: the experts spread over the tp devices, vLLM
+    --enable-expert-parallel, SGLang / TensorRT-LLM --ep-size equal to tp; `attention_dp=true`: attention data
+    parallel, SGLang --enable-dp-attention, TensorRT-LLM enable_attention_dp) as deployment fields, {} when absent."""
+    return {key: True for key in ("expert_parallel", "attention_dp") if row.note_flag(key)}
+
+
 def row_router(row: Measurement) -> dict:
     """The deployment's router as the notes name it (`router=NAME`, a simengine router, `router_params=k:v/k:v` with
     its knobs, and `router_state_delay_s=S`, how often it reads the replicas' load), {} when they name none (the
@@ -233,7 +240,7 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,
                        "kv_dtype": row.kv_dtype, "tp": row.tp, "pp": row.pp, "replicas": replicas,
-                       "cost_model": cost_model, **row_router(row)},
+                       "cost_model": cost_model, **row_layout(row), **row_router(row)},
         "workload": workload,
         "engines": [{"engine": engine, "params": dict(params or {})}],
     }

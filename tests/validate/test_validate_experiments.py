@@ -321,3 +321,19 @@ def test_routers_measured_side_by_side_are_ranked_like_engines():
     assert len(groups) == 1 and groups[0]["engines"] == 3
     assert groups[0]["tau"] == pytest.approx(1 / 3)   # two pairs in the measured order, one reversed
     assert groups[0]["measured"] == "vllm@llm_d[prefix_mode:precise] < vllm@llm_d < vllm@random"
+
+
+def test_moe_layout_items_reach_the_deployment_and_its_flags_are_not_reported_as_unmodelled():
+    """`expert_parallel=true` / `attention_dp=true` lay the MoE model out as the run did; the flags that say so
+    (and --tp-size, --model-path) are the deployment's, so the engine's unmodelled-flag note leaves them out."""
+    moe = dict(engine="sglang", model="qwen3-30b-a3b", weight_dtype="bf16", hardware="h100_sxm", num_gpus=2, tp=2,
+               arrival=Arrival(kind="offline"), metric="output_throughput_tok_s", num_requests=100)
+    cmd = "`python3 -m sglang.launch_server --model-path Qwen/Qwen3-30B-A3B --tp-size 2 --ep-size 2 " \
+          "--enable-dp-attention --mem-fraction-static 0.8`"
+    exp = plan_row(row(**moe, notes=f"serving command {cmd}; expert_parallel=true; attention_dp=true"))
+    assert isinstance(exp, Experiment)
+    dep = exp.scenario.deployment
+    assert dep.expert_parallel and dep.attention_dp
+    assert exp.params == {"mem_fraction_static": 0.8} and not any("not modelled" in n for n in exp.notes)
+    plain = plan_row(row(**moe, notes=f"serving command {cmd}"))
+    assert not plain.scenario.deployment.expert_parallel and not plain.scenario.deployment.attention_dp
