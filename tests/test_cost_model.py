@@ -226,6 +226,44 @@ def test_measured_moe_gemms_take_off_only_the_kernel_floors_the_roofline_counted
     assert np.all(floors == 4 * layers)
 
 
+@needs_tables
+@pytest.mark.parametrize("backend", ["vllm", "trtllm"])
+def test_mla_is_priced_by_the_backends_module_tables_at_the_ranks_heads(backend):
+    """DeepSeek's latent attention: a decode step's MLA is the module table's cell (16 heads a rank at TP8, the
+    block-scaled FP8 projections, the faster kernel) times the layers, and the projections leave the GEMMs."""
+    (roof, m) = kernel_models("h200_sxm", "deepseek-v3", 8, weight_dtype="fp8", backend=backend)
+    k = m.kernels
+    assert not {"mla", "attn_decode", "qkv, attn_out", "moe"} & set(k.fallbacks), k.describe()
+    gen = read_table(table_file("h200_sxm", "mla", backend, "mla_generation_module_perf.parquet"))
+    cell = gen[(gen.num_heads == 16) & (gen.batch_size == 4) & (gen.step == 512) & (gen.gemm_type == "fp8_block")
+               & (gen.kv_cache_dtype == "bfloat16")].latency.min() * 1e-3
+    layers = k.work.model.num_layers
+    sec = k.decode(4, 4 * 512)[0]
+    assert cell * layers * 0.9 <= sec <= cell * layers * (1 + 1e-9)   # (made non-decreasing in batch and length)
+    # the projections' roofline left the token features: fewer linear bytes than the roofline reads
+    tok = np.array([4.0])
+    assert k.token_features(tok)["lin_m"][0] + 1e-12 < roof.kernels.token_features(tok)["lin_m"][0]
+    # a prefill after a cached prefix costs more than the same new tokens alone (its pairs with the cached keys)
+    assert k.prefill([(2048, 8192)])[0] > k.prefill([(2048, 0)])[0] > 0
+
+
+@needs_tables
+def test_an_mla_model_without_module_tables_keeps_the_roofline_and_says_why():
+    (_, m) = kernel_models("h200_sxm", "deepseek-v3", 8, weight_dtype="fp8", kv=2.0, backend="vllm")
+    assert "mla" not in m.kernels.fallbacks
+    (_, a100) = kernel_models("a100_80g_sxm", "deepseek-v3", 8, weight_dtype="bf16", backend="vllm")
+    assert a100.kernels.mla_decode is None and {"mla", "attn_decode"} <= set(a100.kernels.fallbacks)
+
+
+@needs_tables
+def test_fp8_experts_fall_back_to_the_block_scaled_rows_where_the_per_tensor_ones_lack_the_shape():
+    """DeepSeek's experts (7168 x 2048, top-8 of 256) have only block-scaled FP8 rows in the vLLM tables; SGLang's
+    tables have no per-tensor FP8 MoE rows at all: both are priced from the block-scaled ones, not the roofline."""
+    for model, backend in (("deepseek-v3", "vllm"), ("deepseek-v3", "sglang")):
+        (_, m) = kernel_models("h200_sxm", model, 8, weight_dtype="fp8", backend=backend)
+        assert m.kernels.moe_curve is not None and "moe" not in m.kernels.fallbacks, (model, m.describe())
+
+
 def test_attention_grid_of_roots_grows_time_in_proportion_beyond_the_largest_batch():
     from simengine.cost.measured import AttentionGrid
     b, s = np.array([1.0, 2.0, 4.0]), np.array([128.0, 256.0])
@@ -256,7 +294,7 @@ def test_fp8_static_scales_take_the_activation_quantisation_off_the_measured_gem
 @settings(max_examples=150, deadline=None)
 @given(case=st.sampled_from([("h100_sxm", "llama-3.1-8b", 1), ("h100_sxm", "gpt-oss-20b", 1),
                              ("h200_sxm", "mixtral-8x7b", 2), ("l4", "qwen2.5-7b", 1), ("mi300x", "llama-3.1-8b", 2),
-                             ("a100_80g_sxm", "llama-2-70b", 4)]),
+                             ("a100_80g_sxm", "llama-2-70b", 4), ("h200_sxm", "deepseek-v3", 8)]),
        measured=st.booleans(), overlap=st.booleans(), graph=st.booleans(), compiled=st.booleans(),
        num_decode=st.integers(1, 300),
        pad=st.integers(0, 8), structured=st.integers(0, 3), context=st.integers(0, 2_000_000),

@@ -17,6 +17,11 @@ parallel rank; all-reduce messages count elements. We read the tables (never cop
   the utilisation of the longest measured length of that batch.
 - MoE layer (tokens, model shape, tp, ep; the package's default power-law routing skew where measured): linear in
   tokens. All-reduce (elements, GPUs): linear in size, never below the smallest measurement.
+- MLA (DeepSeek-V3's latent attention: 7,168 hidden, 128 heads, a 576-wide latent): the whole module of one
+  layer (the q and kv low-rank projections, the attention kernel, the output projection), decode by (batch, KV
+  length), prefill by (sequences, prompt length), at the rank's heads; the faster of the kernels the backend
+  measured. The projections then leave the GEMM list. Prefill chunks after a cached prefix add their
+  query-cached-key pairs at the roofline's attention rate.
 - norms, activation, RoPE/KV write (no tables exist): the roofline's elementwise terms and kernel floors.
 
 An op the tables do not cover (a device, dtype, head layout, MoE shape or TP degree without rows) is priced by the
@@ -61,6 +66,10 @@ GEMM_ELEMENT_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0, "nvfp4": 9 
 NEIGHBOUR_OCTAVES = 2.0     # an unmeasured GEMM shape borrows utilisation from shapes within this log2 distance
 # routing skews the MoE tables time: uniform and two power laws (the package's default is power_law_1.2)
 MOE_DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
+# the MLA module tables time DeepSeek-V3's layer (deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168,
+# num_attention_heads 128, kv_lora_rank 512 + qk_rope_head_dim 64); a model of other dimensions is not in them
+MLA_MODULE_SHAPE = (7168, 576)
+MLA_GEMM_TYPES = {"fp8": "fp8_block", "bf16": "bfloat16", "fp16": "bfloat16"}   # DeepSeek's FP8 is block-scaled
 PROVENANCE = ("framework", "version", "device", "power", "power_limit")
 
 
@@ -426,10 +435,12 @@ class MeasuredKernels(RooflineKernels):
         fp8 = GEMM_DTYPES.get(work.weight_format.name) == "fp8"
         self.quant = {name: QuantTable(read_table(p)) for name in ("computescale", "scale_matrix") if fp8
                       and (p := table_file(system, "quantize", self.backend, f"{name}_perf.parquet")) is not None}
-        self.gemm_ops = self._gemm_ops()
-        self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
         heads = max(1, work.model.num_heads // work.attention_tp)
         kv_heads = max(1, math.ceil(work.model.num_kv_heads / work.attention_tp))
+        self.borrowed: dict[str, str] = {}   # ops priced from another backend's tables (this one has none)
+        self.mla_decode, self.mla_prefill = self._mla_grids(heads) if work.model.kv_latent_dim else (None, None)
+        self.gemm_ops = self._gemm_ops()
+        self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
         self.decode_grid = self._attention_grid("decode", heads, kv_heads)
         self.prefill_grid = self._attention_grid("prefill", heads, kv_heads)
         self.allreduce_curve = self._allreduce_curve(custom_allreduce) if work.num_allreduce else None
@@ -437,9 +448,12 @@ class MeasuredKernels(RooflineKernels):
         self._prefill_rows: dict[int, list[float]] = {}
         self._decode_xs = self.decode_grid.ss.tolist() if self.decode_grid else []
         self._prefill_xs = self.prefill_grid.ss.tolist() if self.prefill_grid else []
+        self._mla_rows: dict[tuple[str, int], list[float]] = {}
 
     def describe(self) -> str:
         text = f"measured kernels ({self.system}, {self.backend})"
+        if self.borrowed:
+            text += "; " + "; ".join(f"{op} from {b}'s tables" for op, b in sorted(self.borrowed.items()))
         if self.fallbacks:
             text += "; roofline for " + "; ".join(f"{op} ({why})" for op, why in sorted(self.fallbacks.items()))
         return text
@@ -463,8 +477,9 @@ class MeasuredKernels(RooflineKernels):
                ("shared_down", h, shared // tp, m.num_moe_layers if shared else 0, dtype),
                ("lm_head", m.vocab_size // tp, h, 1, "bfloat16")]
         ops = [op for op in ops if op[3] > 0]
-        if m.kv_latent_dim:   # MLA's projections are low-rank chains the tables do not time as GEMMs
-            self.fallbacks["qkv, attn_out"] = "MLA projections"
+        if m.kv_latent_dim:   # MLA's projections are low-rank chains the GEMM tables do not time
+            if self.mla_decode is None:
+                self.fallbacks["qkv, attn_out"] = "MLA projections"
             ops = [op for op in ops if op[0] not in ("qkv", "attn_out")]
         if self.gemm is None:
             self.fallbacks["gemm"] = "no GEMM table"
@@ -479,8 +494,12 @@ class MeasuredKernels(RooflineKernels):
         kv = KV_DTYPES.get(w.kv_elem_bytes)
         path = table_file(self.system, "attention", self.backend,
                           f"{'generation' if kind == 'decode' else 'context'}_attention_perf.parquet")
-        if m.kv_latent_dim or path is None or kv is None:
-            self.fallbacks[name] = ("MLA attention" if m.kv_latent_dim else "no attention table" if path is None
+        if m.kv_latent_dim:
+            if self.mla_decode is None:
+                self.fallbacks[name] = "MLA attention"
+            return None
+        if path is None or kv is None:
+            self.fallbacks[name] = ("no attention table" if path is None
                                     else f"a KV cache of {w.kv_elem_bytes:g} bytes per element")
             return None
         peak, bw, d, kvb = hw.peak(w.attn_dtype), hw.memory_bandwidth_bytes_s, m.head_dim, w.kv_elem_bytes
@@ -515,6 +534,92 @@ class MeasuredKernels(RooflineKernels):
             return None
         return AttentionGrid.shaped(z["bs"], z["ss"], z["grid"], root)
 
+    def _mla_grids(self, heads: int) -> tuple[AttentionGrid | None, AttentionGrid | None]:
+        """(decode, prefill) grids of one MLA layer's module seconds at the rank's heads, or (None, None) where the
+        backend has no module tables for the model's dimensions, weights and KV cache (fallbacks say why)."""
+        w, m, hw = self.work, self.work.model, self.work.hw
+        gen = ctx = None
+        for backend in BACKEND_ORDER.get(self.backend, (self.backend,)):   # the nearest backend that timed them
+            gen, ctx = (table_file(self.system, "mla", backend, f"mla_{k}_module_perf.parquet")
+                        for k in ("generation", "context"))
+            if gen is not None and ctx is not None:
+                if backend != self.backend:
+                    self.borrowed["mla"] = backend
+                break
+        gemm, kv = MLA_GEMM_TYPES.get(w.weight_format.name), KV_DTYPES.get(w.kv_elem_bytes)
+        why = ("no MLA module table" if gen is None or ctx is None
+               else f"MLA of {m.hidden_size} hidden, {m.kv_latent_dim} latent"
+               if (m.hidden_size, m.kv_latent_dim) != MLA_MODULE_SHAPE
+               else f"{w.weight_format.name} MLA projections" if gemm is None
+               else f"a KV cache of {w.kv_elem_bytes:g} bytes per element" if kv is None else "")
+        if why:
+            self.fallbacks["mla"] = why
+            return None, None
+        assert gen is not None and ctx is not None and gemm is not None and kv is not None
+        peak, bw, kvb = hw.peak(w.attn_dtype) * self.sustained, hw.memory_bandwidth_bytes_s, w.kv_elem_bytes
+        proj = m.attn_params_per_layer / w.attention_tp           # the layer's projection weights on a rank
+        pbytes = proj * w.weight_format.bytes_per_param
+        pair = w.attn_flops_per_pair
+
+        def sol_decode(bb, ss):   # the module's roofline: projection weights and the latent cache read
+            return max((2.0 * bb * proj + bb * ss * pair) / peak, (pbytes + bb * ss * m.kv_latent_dim * kvb) / bw)
+
+        def sol_prefill(bb, ss):
+            return max((2.0 * bb * ss * proj + bb * ss * ss / 2.0 * pair) / peak, pbytes / bw)
+
+        grids = []
+        for kind, path, length, sol in (("generation", gen, "step", sol_decode), ("context", ctx, "isl", sol_prefill)):
+            def build(path=path, length=length, sol=sol) -> dict[str, np.ndarray]:
+                df = read_table(path)
+                sel = df[(df["num_heads"] == heads) & (df["gemm_type"] == gemm) & (df["kv_cache_dtype"] == kv)
+                         & (df["mla_dtype"] == "bfloat16")]
+                if sel.empty:
+                    return {"bs": np.zeros(0), "ss": np.zeros(0), "grid": np.zeros((0, 0))}
+                # the kernels the backend measured (FlashMLA, FlashAttention's MLA): it runs the faster
+                piv = sel.pivot_table(index="batch_size", columns=length, values="latency", aggfunc="min")
+                g = AttentionGrid(piv.index.to_numpy(float), piv.columns.to_numpy(float), piv.to_numpy(float) * MS,
+                                  sol, root=1)
+                return {"bs": g.bs, "ss": g.ss, "grid": g.grid}
+
+            z = cached_arrays(f"mla-{kind}", path, (heads, gemm, kv, peak, bw, kvb, proj), build)
+            if not z["bs"].size:
+                self.fallbacks["mla"] = f"{heads} MLA heads a rank, {gemm} projections, {kv} KV not measured"
+                return None, None
+            grids.append(AttentionGrid.shaped(z["bs"], z["ss"], z["grid"], 1))
+        return grids[0], grids[1]
+
+    def _mla_row(self, kind: str, b: int) -> list[float]:
+        grid = self.mla_decode if kind == "decode" else self.mla_prefill
+        assert grid is not None
+        row = self._mla_rows.get((kind, b))
+        if row is None:
+            row = self._mla_rows[(kind, b)] = grid.row(b)
+        return row
+
+    def _mla_decode_s(self, num_decode: int, context_tokens):
+        """Measured seconds of the decodes' MLA modules over all layers (float, or array over contexts)."""
+        grid = self.mla_decode
+        assert grid is not None
+        row, layers = self._mla_row("decode", num_decode), self.work.model.num_layers
+        mean = context_tokens / num_decode
+        if isinstance(mean, np.ndarray):
+            return np.interp(mean, grid.ss, row) * layers
+        return _interp_row(grid.ss.tolist(), row, mean) * layers
+
+    def _mla_prefill_s(self, chunks: list[tuple[int, int]]) -> tuple[float, float]:
+        """(measured seconds, compute seconds at efficiency 1) of the prefill chunks' MLA modules over all layers:
+        the module of b prompts of their mean length, and the chunks' pairs with cached keys beyond its b s^2 / 2
+        at the roofline's attention rate."""
+        grid, w = self.mla_prefill, self.work
+        assert grid is not None
+        b = len(chunks)
+        s = sum(c for c, _ in chunks) / b
+        layers = w.model.num_layers
+        sec = _interp_row(grid.ss.tolist(), self._mla_row("prefill", b), s) * layers / self.sustained
+        pairs, _ = w.prefill_pairs(chunks)
+        extra = max(pairs - b * s * s / 2.0, 0.0) * w.attn_flops_per_pair * layers / self.attn_peak
+        return sec, extra
+
     def _moe_curve(self) -> tuple[np.ndarray, np.ndarray] | None:
         w, m = self.work, self.work.model
         path = table_file(self.system, "moe", self.backend, "moe_perf.parquet")
@@ -529,6 +634,12 @@ class MeasuredKernels(RooflineKernels):
                    & (df["topk"] == m.experts_per_token) & (df["num_experts"] == m.num_experts)
                    & (df["moe_ep_size"] == ep) & df["distribution"].isin(MOE_DISTRIBUTIONS)]
         curve = _moe_split_curve(shape, dtype, w.tp // ep)
+        if curve is None and dtype == "fp8":
+            # FP8 experts with block scales (128 x 128: DeepSeek-V3/R1's and Qwen3's FP8 checkpoints), the only FP8
+            # rows SGLang's tables hold and the only ones of DeepSeek's shape in any: the same W8A8 grouped GEMM
+            # with a scale per block, where the per-tensor rows lack the shape
+            dtype = "fp8_block"
+            curve = _moe_split_curve(shape, dtype, w.tp // ep)
         if curve is not None:
             xs, ys = curve
             wide = _moe_split_curve(shape, "bfloat16", w.tp // ep) if dtype != "bfloat16" else None
@@ -611,6 +722,12 @@ class MeasuredKernels(RooflineKernels):
             self._measured(f, lat, c / g >= m / mb)
             f["lin_c"], f["lin_m"] = f["lin_c"] - c, f["lin_m"] - m
             f["floors"] = f["floors"] - 2 * mm.num_moe_layers   # the expert GEMMs replace the MLP's two
+        if self.mla_decode is not None:   # the MLA modules price the layers' projections (prefill, decode)
+            mm = w.model
+            proj = mm.num_layers * mm.attn_params_per_layer / w.attention_tp
+            f["lin_c"] = f["lin_c"] - 2.0 * tokens * proj / self.linear_peak
+            f["lin_m"] = f["lin_m"] - proj * wb / self.bandwidth
+            f["floors"] = f["floors"] - 2 * mm.num_layers   # the q/kv and output GEMMs
         # what the tables price leaves no linear work but rounding: clamp it away
         f["lin_c"], f["lin_m"] = np.maximum(f["lin_c"], 0.0), np.maximum(f["lin_m"], 0.0)
         if self.allreduce_curve is not None:
@@ -632,6 +749,21 @@ class MeasuredKernels(RooflineKernels):
 
     def attention_features(self, prefill_chunks, num_decode, context_tokens) -> dict:
         f = super().attention_features(prefill_chunks, num_decode, context_tokens)
+        if self.mla_decode is not None:
+            layers = self.work.model.num_layers
+            for i, chunks in enumerate(prefill_chunks):
+                f["pre_c"][i], f["pre_m"][i] = 0.0, 0.0
+                if chunks:
+                    f["meas_c"][i], f["pre_c"][i] = self._mla_prefill_s(chunks)
+                    f["floors"][i] -= layers
+            sec = np.zeros(len(num_decode))
+            for b in np.unique(num_decode):
+                if b > 0:
+                    sec[num_decode == b] = self._mla_decode_s(int(b), context_tokens[num_decode == b])
+            f["meas_m"] = f["meas_m"] + sec
+            f["floors"] = f["floors"] - self.attention_kernels * (num_decode > 0)
+            f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], 0.0 * f["dec_m"]
+            return f
         if self.prefill_grid is not None:
             for i, chunks in enumerate(prefill_chunks):
                 if chunks:
@@ -693,12 +825,19 @@ class MeasuredKernels(RooflineKernels):
         return seconds
 
     def prefill(self, chunks: list[tuple[int, int]]):
+        if self.mla_prefill is not None:
+            sec, extra = self._mla_prefill_s(chunks)
+            cs = extra / self.terms.g_attn
+            return sec + cs, sec + cs, 0.0, sec
         if self.prefill_grid is None:
             return super().prefill(chunks)
         sec = self._prefill_s(chunks)
         return sec, sec, 0.0, sec
 
     def decode(self, num_decode, context_tokens, maximum=max):
+        if self.mla_decode is not None:
+            sec = self._mla_decode_s(num_decode, context_tokens)
+            return sec, 0.0, sec, sec
         if self.decode_grid is None:
             return super().decode(num_decode, context_tokens, maximum)
         sec = self._decode_s(num_decode, context_tokens)

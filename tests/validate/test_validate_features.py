@@ -51,6 +51,7 @@ def model(dep, timing, measured: bool) -> CostModel:
 CASES = [dict(), dict(model="llama-2-70b", hardware="a100_80g_sxm", tp=4),
          dict(model="qwen3-235b-a22b", weight_dtype="fp8", kv_dtype="fp8", tp=8),
          dict(model="gpt-oss-20b", weight_dtype="mxfp4"),
+         dict(model="deepseek-v3", weight_dtype="fp8", hardware="h200_sxm", tp=8),   # MLA modules, fp8_block MoE
          dict(model="llama-2-7b", weight_dtype="q4_0", hardware="apple_m2_ultra")]
 
 
