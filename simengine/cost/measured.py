@@ -754,8 +754,8 @@ class MeasuredKernels(RooflineKernels):
             for i, chunks in enumerate(prefill_chunks):
                 f["pre_c"][i], f["pre_m"][i] = 0.0, 0.0
                 if chunks:
-                    sec, f["pre_c"][i] = self._mla_prefill_s(chunks)
-                    f["meas_c"][i] += sec
+                    table_s, f["pre_c"][i] = self._mla_prefill_s(chunks)
+                    f["meas_c"][i] += table_s
                     f["floors"][i] -= layers
             sec = np.zeros(len(num_decode))
             for b in np.unique(num_decode):
