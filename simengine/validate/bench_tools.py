@@ -104,7 +104,8 @@ def lmdeploy_benchmark_params(row: Measurement) -> dict:
             "max_context_token_num": 4 * load_model(row.model).max_model_len}
 
 
-_FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()`]*|[^\s;()`-][^\s;()`]*))?")   # `quoted commands`
+# a value ends at a space, ';', a bracket or a closing quote (`a quoted command`, "a quoted flag")
+_FLAG = re.compile(r"--([a-z][a-z0-9_-]*)(?:[ =](-?\d[^\s;()`\"']*|[^\s;()`\"'-][^\s;()`\"']*))?")
 # the benchmark client's own flags (vllm bench serve, sglang.bench_serving), not engine knobs
 CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompts", "request-rate", "seed",
                           "tokenizer", "disable-log-requests", "disable-log-stats", "ignore-eos", "model", "port",
@@ -114,7 +115,8 @@ CLIENT_FLAGS = frozenset({"backend", "dataset-name", "dataset-path", "num-prompt
 # flags of the deployment, which the row's columns (tp, pp) and layout items (expert_parallel=, attention_dp=) carry,
 # and of where the server listens or finds its checkpoint: not engine knobs, never reported as unmodelled
 DEPLOYMENT_FLAGS = frozenset({"tp-size", "tp_size", "pp-size", "pp_size", "pipeline-parallel-size", "ep-size",
-                              "ep_size", "enable-expert-parallel", "enable-dp-attention", "model-path"})
+                              "ep_size", "enable-expert-parallel", "enable-dp-attention", "dp", "dp-size",
+                              "data-parallel-size", "model-path"})
 # argparse accepts unambiguous prefixes; the abbreviations sources print, and flags since renamed, as the engine's
 # argument name today (SGLang v0.3's --max-torch-compile-bs, PR #1497)
 FLAG_ALIASES = {"mem_frac": "mem_fraction_static", "max_torch_compile_bs": "torch_compile_max_bs",

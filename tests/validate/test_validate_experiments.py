@@ -335,5 +335,8 @@ def test_moe_layout_items_reach_the_deployment_and_its_flags_are_not_reported_as
     dep = exp.scenario.deployment
     assert dep.expert_parallel and dep.attention_dp
     assert exp.params == {"mem_fraction_static": 0.8} and not any("not modelled" in n for n in exp.notes)
+    # a flag quoted in double quotes ends at the quote; --dp and its kin are the deployment's too
+    quoted = plan_row(row(**moe, notes=f'{cmd}; block "--mem-fraction-static 0.8"; --enable-dp-attention without --dp'))
+    assert quoted.params == {"mem_fraction_static": 0.8} and not any("not modelled" in n for n in quoted.notes)
     plain = plan_row(row(**moe, notes=f"serving command {cmd}"))
     assert not plain.scenario.deployment.expert_parallel and not plain.scenario.deployment.attention_dp
