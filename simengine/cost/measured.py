@@ -153,11 +153,12 @@ def table_file(system: str, family: str, backend: str, filename: str) -> Path | 
     return found(base / versions[-1]) if versions else None
 
 
-def backend_for(system: str, wanted: str) -> str:
-    """The backend whose tables price an engine of `wanted` kernels on `system`: its own where measured, else the
-    nearest measured one (BACKEND_ORDER); `wanted` when none is."""
+def backend_for(system: str, wanted: str, family: str = "gemm", filename: str = "gemm_perf.parquet") -> str:
+    """The backend whose tables price an engine of `wanted` kernels on `system` (its GEMM tables, or another table
+    family's `filename`): its own where measured, else the nearest measured one (BACKEND_ORDER); `wanted` when none
+    is."""
     for backend in BACKEND_ORDER.get(wanted, (wanted,)):
-        if table_file(system, "gemm", backend, "gemm_perf.parquet") is not None:
+        if table_file(system, family, backend, filename) is not None:
             return backend
     return wanted
 
@@ -538,14 +539,11 @@ class MeasuredKernels(RooflineKernels):
         """(decode, prefill) grids of one MLA layer's module seconds at the rank's heads, or (None, None) where the
         backend has no module tables for the model's dimensions, weights and KV cache (fallbacks say why)."""
         w, m, hw = self.work, self.work.model, self.work.hw
-        gen = ctx = None
-        for backend in BACKEND_ORDER.get(self.backend, (self.backend,)):   # the nearest backend that timed them
-            gen, ctx = (table_file(self.system, "mla", backend, f"mla_{k}_module_perf.parquet")
-                        for k in ("generation", "context"))
-            if gen is not None and ctx is not None:
-                if backend != self.backend:
-                    self.borrowed["mla"] = backend
-                break
+        backend = backend_for(self.system, self.backend, "mla", "mla_generation_module_perf.parquet")
+        gen, ctx = (table_file(self.system, "mla", backend, f"mla_{k}_module_perf.parquet")
+                    for k in ("generation", "context"))
+        if gen is not None and backend != self.backend:
+            self.borrowed["mla"] = backend
         gemm, kv = MLA_GEMM_TYPES.get(w.weight_format.name), KV_DTYPES.get(w.kv_elem_bytes)
         why = ("no MLA module table" if gen is None or ctx is None
                else f"MLA of {m.hidden_size} hidden, {m.kv_latent_dim} latent"
@@ -757,11 +755,7 @@ class MeasuredKernels(RooflineKernels):
                     table_s, f["pre_c"][i] = self._mla_prefill_s(chunks)
                     f["meas_c"][i] += table_s
                     f["floors"][i] -= layers
-            sec = np.zeros(len(num_decode))
-            for b in np.unique(num_decode):
-                if b > 0:
-                    sec[num_decode == b] = self._mla_decode_s(int(b), context_tokens[num_decode == b])
-            f["meas_m"] = f["meas_m"] + sec
+            f["meas_m"] = f["meas_m"] + self._by_batch(self._mla_decode_s, num_decode, context_tokens)
             f["floors"] = f["floors"] - self.attention_kernels * (num_decode > 0)
             f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], 0.0 * f["dec_m"]
             return f
@@ -772,17 +766,20 @@ class MeasuredKernels(RooflineKernels):
                     f["floors"][i] -= self.work.model.num_layers
             f["pre_c"], f["pre_m"] = 0.0 * f["pre_c"], 0.0 * f["pre_m"]
         if self.decode_grid is not None:
-            rows = {}
-            for b in np.unique(num_decode):
-                if b > 0:
-                    rows[int(b)] = self._decode_s(int(b), context_tokens[num_decode == b])
-            sec = np.zeros(len(num_decode))
-            for b, s in rows.items():
-                sec[num_decode == b] = s
-            f["meas_m"] = f["meas_m"] + sec
+            f["meas_m"] = f["meas_m"] + self._by_batch(self._decode_s, num_decode, context_tokens)
             f["floors"] = f["floors"] - self.work.model.num_layers * (num_decode > 0)
             f["dec_c"], f["dec_m"] = 0.0 * f["dec_c"], self._rereads_m(f["dec_m"])
         return f
+
+    @staticmethod
+    def _by_batch(seconds_of, num_decode: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        """Per step, `seconds_of(batch, contexts)` of its decodes, each batch size priced once over its steps'
+        contexts (0 for a step without decodes)."""
+        sec = np.zeros(len(num_decode))
+        for b in np.unique(num_decode):
+            if b > 0:
+                sec[num_decode == b] = seconds_of(int(b), context_tokens[num_decode == b])
+        return sec
 
     def _rereads_m(self, dec_m):
         """Memory seconds at fraction 1 of the decode KV reads beyond the first (StepWork.decode_kv_reads), which
