@@ -22,7 +22,7 @@ from simengine.config.scenario import EngineEntry, Scenario
 from simengine.engines import ENGINES
 from simengine.errors import InputError
 from simengine.validate.bench_tools import engine_params
-from simengine.validate.measurements import STEP_METRICS, Measurement
+from simengine.validate.measurements import RATE_METRICS, STEP_METRICS, Measurement
 from simengine.workload.datasets import SHAREGPT_BOUNDS, SHAREGPT_MEANS
 
 ENGINE_OF_ROW = {"unknown": "generic"}   # a row whose stack is not stated runs the documented generic engine
@@ -298,10 +298,12 @@ def plan_row(row: Measurement, cost_model: str = "auto") -> Experiment | Skip:
 
 
 def capped_requests(exp: Experiment, batch_limit: int | None, kv_tokens: int) -> int:
-    """Requests to simulate for an offline row: all of them, or WAVES x steady-state concurrency (fixed lengths
-    only: a row with a length distribution runs its whole sample)."""
+    """Requests to simulate for an offline row: all of them, or, for a throughput, WAVES x steady-state concurrency
+    (fixed lengths only: a row with a length distribution runs its whole sample). A latency statistic of a burst
+    depends on how many requests queue behind each other, so it always runs the count measured."""
     row = exp.row
-    if row.arrival.kind != "offline" or not (row.input_len and row.output_len):
+    if (row.arrival.kind != "offline" or not (row.input_len and row.output_len)
+            or (row.metric not in RATE_METRICS and exp.full_requests)):
         return exp.scenario.workload.num_requests or OPEN_LOOP_CAP
     per_req = (row.input_len or 1) + (row.output_len or 1)
     conc = kv_tokens // max(per_req, 1)

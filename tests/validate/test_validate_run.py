@@ -49,6 +49,20 @@ def test_capped_offline_run_extrapolates_within_one_percent(monkeypatch):
     assert capped.predicted == pytest.approx(full.predicted, rel=0.01)
 
 
+
+def test_a_bursts_latency_runs_every_request_measured():
+    """Only a throughput is extrapolated from a capped run: the mean TTFT of requests all sent at once grows with how
+    many queue, so a latency row runs the count the benchmark sent (a capped run had reported 0.4x of it)."""
+    # Qwen3-32B in 16 bit leaves one A100 about 20k tokens of KV: 4 waves of 9 requests, so 200 would be simulated
+    r = row(model="qwen3-32b", hardware="a100_80g_sxm", input_len=2000, output_len=16, num_requests=600,
+            metric="mean_ttft_ms", value=1.0)
+    pred = run_row(r)
+    assert pred.info["simulated_requests"] == 600 and not pred.info.get("extrapolated")
+    fewer = run_row(dataclasses.replace(r, num_requests=200))
+    assert pred.predicted > 2 * fewer.predicted   # three times the queue: the mean wait about triples
+    tput = run_row(dataclasses.replace(r, input_len=64, output_len=64, num_requests=6000,
+                                       metric="output_throughput_tok_s"))
+    assert tput.info["simulated_requests"] < 6000   # a throughput still runs its capped waves
 def test_decode_step_row_is_one_engine_step_priced_by_the_cost_model():
     r = row(engine="unknown", model="llama-2-70b", weight_dtype="fp16", hardware="a100_80g_sxm", num_gpus=4, tp=4,
             input_len=512, output_len=128, num_requests=4, arrival=Arrival(kind="batch", value=4),
