@@ -12,7 +12,15 @@ from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.config.model import load_model
 from simengine.core.batch import BatchShape
 from simengine.cost import step as step_module
-from simengine.cost.measured import MeasuredKernels, data_root, read_table, table_file
+from simengine.cost.measured import (
+    MOE_DISTRIBUTIONS,
+    MeasuredKernels,
+    MoeShape,
+    _moe_split_curve,
+    data_root,
+    read_table,
+    table_file,
+)
 from simengine.cost.roofline import DeviceTerms, RooflineKernels, price
 from simengine.cost.step import CostModel
 from simengine.cost.timing import EngineTiming
@@ -262,6 +270,46 @@ def test_fp8_experts_fall_back_to_the_block_scaled_rows_where_the_per_tensor_one
     for model, backend in (("deepseek-v3", "vllm"), ("deepseek-v3", "sglang")):
         (_, m) = kernel_models("h200_sxm", model, 8, weight_dtype="fp8", backend=backend)
         assert m.kernels.moe_curve is not None and "moe" not in m.kernels.fallbacks, (model, m.describe())
+
+
+@needs_tables
+def test_an_unmeasured_expert_shape_is_priced_from_near_shapes_and_they_predict_held_out_ones():
+    """Leave one expert shape out of a table: the near shapes' utilisation at the same tokens per expert predicts its
+    measured times far better than the roofline does (every shape of SGLang's A100 table, both dtypes)."""
+    (_, m) = kernel_models("a100_80g_sxm", "qwen3-30b-a3b", 1, backend="sglang")
+    k = m.kernels
+    df = read_table(table_file("a100_sxm", "moe", "sglang", "moe_perf.parquet"))
+    df = df[(df.moe_ep_size == 1) & df.distribution.isin(MOE_DISTRIBUTIONS)]
+    errors = []
+    for dtype in ("bfloat16", "int4_wo"):
+        rows = df[df.moe_dtype == dtype]
+        for key in rows[["hidden_size", "inter_size", "topk", "num_experts"]].drop_duplicates().itertuples(index=False):
+            shape = MoeShape(*map(int, key))
+            sel = rows[(rows.hidden_size == shape.hidden) & (rows.inter_size == shape.inter)
+                       & (rows.topk == shape.topk) & (rows.num_experts == shape.experts)]
+            near = k._moe_near(df, shape, dtype, 1, 1)   # excludes the shape itself
+            assert near is not None, shape
+            measured = _moe_split_curve(sel, dtype, 1)
+            tokens = np.array([1.0, 16.0, 128.0, 1024.0, 8192.0])
+            errors += list(np.interp(tokens, *near) / np.interp(tokens, *measured) - 1)
+    assert len(errors) >= 80 and np.median(np.abs(errors)) < 0.1
+
+
+@needs_tables
+def test_gpt_oss_experts_on_ampere_are_marlin_w4a16_from_the_nearest_backend():
+    """vLLM and SGLang run gpt-oss's MXFP4 experts on an A100 through the Marlin MoE kernel (4-bit weights, 16-bit
+    math): vLLM's tables time only bf16 experts there, SGLang's time Marlin's W4A16 ones, at other shapes."""
+    for backend in ("vllm", "sglang"):
+        (roof, m) = kernel_models("a100_80g_sxm", "gpt-oss-120b", 1, weight_dtype="mxfp4", backend=backend)
+        k = m.kernels
+        assert k.moe_curve is not None and "moe" not in k.fallbacks, k.describe()
+        assert "near shapes for moe (experts 2880x2880" in k.describe()
+        assert ("moe from sglang's tables" in k.describe()) == (backend == "vllm")
+        # Marlin's measured utilisation at a large prefill is well below the roofline's
+        prefill = BatchShape(prefill_chunks=[(8192, 0)], num_logits=1)
+        assert m.step(prefill).seconds > 1.3 * roof.step(prefill).seconds
+    (_, h100) = kernel_models("h100_sxm", "gpt-oss-120b", 1, weight_dtype="mxfp4", backend="vllm")
+    assert not h100.kernels.near_shapes and "moe" not in h100.kernels.borrowed   # measured as it is on Hopper
 
 
 def test_attention_grid_of_roots_grows_time_in_proportion_beyond_the_largest_batch():

@@ -15,8 +15,11 @@ parallel rank; all-reduce messages count elements. We read the tables (never cop
   linear in b and in sqrt(time) along s (time grows as s^2), scaled by the chunks' query-key pairs over b s^2 / 2
   for cached prefixes, as the package's own model does. Cells beyond the measured staircase (large b x s) hold
   the utilisation of the longest measured length of that batch.
-- MoE layer (tokens, model shape, tp, ep; the package's default power-law routing skew where measured): linear in
-  tokens. All-reduce (elements, GPUs): linear in size, never below the smallest measurement.
+- MoE layer (tokens, model shape, tp, ep; the median over the routing distributions timed): linear in tokens. An
+  expert shape that was not timed takes the utilisation (layer roofline / measured time) of the nearest timed
+  shapes of its dtype at the same routed tokens per expert, inverse-distance weighted in log2(hidden, inter)
+  within two octaves; where the backend timed neither, the nearest backend that did. All-reduce (elements, GPUs):
+  linear in size, never below the smallest measurement.
 - MLA (DeepSeek-V3's latent attention: 7,168 hidden, 128 heads, a 576-wide latent): the whole module of one
   layer (the q and kv low-rank projections, the attention kernel, the output projection), decode by (batch, KV
   length), prefill by (sequences, prompt length), at the rank's heads; the faster of the kernels the backend
@@ -24,8 +27,8 @@ parallel rank; all-reduce messages count elements. We read the tables (never cop
   query-cached-key pairs at the roofline's attention rate.
 - norms, activation, RoPE/KV write (no tables exist): the roofline's elementwise terms and kernel floors.
 
-An op the tables do not cover (a device, dtype, head layout, MoE shape or TP degree without rows) is priced by the
-roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
+An op the tables do not cover (a device, dtype, head layout, MoE shape without timed neighbours or TP degree
+without rows) is priced by the roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
 measurements (`measured_s` in steps.csv).
 
 Reading a table and shaping it (GEMM sites, attention grids) takes a few tenths of a second, which every new process
@@ -39,14 +42,17 @@ import bisect
 import functools
 import hashlib
 import importlib.util
+import itertools
 import math
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from simengine.config.dtypes import WeightFormat
 from simengine.config.hardware import Hardware
 from simengine.cost.roofline import DeviceTerms, RooflineKernels
 from simengine.cost.work import StepWork
@@ -60,9 +66,9 @@ MOE_DTYPES = {"bf16": "bfloat16", "fp16": "bfloat16", "fp8": "fp8", "fp4": "nvfp
               "mxfp4": "w4a16_mxfp4", "int4": "int4_wo"}
 KV_DTYPES = {2.0: "bfloat16", 1.0: "fp8"}
 GEMM_PEAK = {"bfloat16": "bf16", "fp8": "fp8", "fp8_block": "fp8", "nvfp4": "fp4", "int4_wo": "bf16",
-             "int8_wo": "bf16", "sq": "int8"}
+             "int8_wo": "bf16", "sq": "int8", "w4a16_mxfp4": "bf16"}
 GEMM_ELEMENT_BYTES = {"bfloat16": 2.0, "fp8": 1.0, "fp8_block": 1.0, "nvfp4": 9 / 16, "int4_wo": 0.5,
-                      "int8_wo": 1.0, "sq": 1.0}
+                      "int8_wo": 1.0, "sq": 1.0, "w4a16_mxfp4": 4.25 / 8}
 NEIGHBOUR_OCTAVES = 2.0     # an unmeasured GEMM shape borrows utilisation from shapes within this log2 distance
 # routing skews the MoE tables time: uniform and two power laws (the package's default is power_law_1.2)
 MOE_DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
@@ -196,6 +202,29 @@ def interp_hold(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, sol) -> np.ndarra
     if np.any(hi):
         y = np.where(hi, sol(x) * (ys[-1] / sol(xs[-1])), y)
     return y
+
+
+class MoeShape(NamedTuple):
+    """A MoE layer's expert shape as the tables key it."""
+
+    hidden: int
+    inter: int
+    topk: int
+    experts: int
+
+
+def moe_dtypes(fmt: WeightFormat, hw: Hardware) -> tuple[str, ...]:
+    """The tables' moe dtypes that time a weight format's experts, best first: FP8 experts also as the block-scaled
+    rows (128 x 128 scales: DeepSeek-V3/R1's and Qwen3's FP8 checkpoints; the only FP8 rows SGLang's tables hold and
+    the only ones of DeepSeek's shape in any: the same W8A8 grouped GEMM with a scale per block); MXFP4 experts on a
+    device without FP4 math are 4-bit weights dequantised into 16-bit math, as the Marlin MoE kernels run them
+    (vLLM's Ampere path for gpt-oss; its tables' W4A16 `int4_wo` rows are that kernel with integer weights)."""
+    dtype = MOE_DTYPES.get(fmt.name)
+    if dtype == "fp8":
+        return "fp8", "fp8_block"
+    if dtype == "w4a16_mxfp4" and fmt.compute_dtype not in hw.peak_flops:
+        return "w4a16_mxfp4", "int4_wo"
+    return (dtype,) if dtype else ()
 
 
 def _moe_split_curve(shape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -439,6 +468,7 @@ class MeasuredKernels(RooflineKernels):
         heads = max(1, work.model.num_heads // work.attention_tp)
         kv_heads = max(1, math.ceil(work.model.num_kv_heads / work.attention_tp))
         self.borrowed: dict[str, str] = {}   # ops priced from another backend's tables (this one has none)
+        self.near_shapes: dict[str, str] = {}   # ops priced from measured shapes near the model's (which)
         self.mla_decode, self.mla_prefill = self._mla_grids(heads) if work.model.kv_latent_dim else (None, None)
         self.gemm_ops = self._gemm_ops()
         self.moe_curve = self._moe_curve() if work.model.num_moe_layers else None
@@ -455,6 +485,8 @@ class MeasuredKernels(RooflineKernels):
         text = f"measured kernels ({self.system}, {self.backend})"
         if self.borrowed:
             text += "; " + "; ".join(f"{op} from {b}'s tables" for op, b in sorted(self.borrowed.items()))
+        if self.near_shapes:
+            text += "; near shapes for " + "; ".join(f"{op} ({how})" for op, how in sorted(self.near_shapes.items()))
         if self.fallbacks:
             text += "; roofline for " + "; ".join(f"{op} ({why})" for op, why in sorted(self.fallbacks.items()))
         return text
@@ -619,37 +651,92 @@ class MeasuredKernels(RooflineKernels):
         return sec, extra
 
     def _moe_curve(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(tokens, seconds) of one MoE layer: the model's expert shape as the engine's backend timed it; else shapes
+        near it in the same table, at the utilisation they reach with as many tokens per expert; else the same
+        from the nearest backend that timed the experts' format on this device (fallbacks and borrowed say which)."""
         w, m = self.work, self.work.model
-        path = table_file(self.system, "moe", self.backend, "moe_perf.parquet")
-        dtype = MOE_DTYPES.get(w.weight_format.name)
-        if path is None or dtype is None:
-            self.fallbacks["moe"] = "no MoE table" if path is None else f"{w.weight_format.name} experts"
+        dtypes = moe_dtypes(w.weight_format, w.hw)
+        if not dtypes:
+            self.fallbacks["moe"] = f"{w.weight_format.name} experts"
             return None
-        df = read_table(path)
         inter = m.expert_params // (3 * m.hidden_size)
         ep = w.tp if w.expert_parallel else 1   # the tables key the group's tokens (attention DP: tp x the rank's)
-        shape = df[(df["hidden_size"] == m.hidden_size) & (df["inter_size"] == inter)
-                   & (df["topk"] == m.experts_per_token) & (df["num_experts"] == m.num_experts)
-                   & (df["moe_ep_size"] == ep) & df["distribution"].isin(MOE_DISTRIBUTIONS)]
-        curve = _moe_split_curve(shape, dtype, w.tp // ep)
-        if curve is None and dtype == "fp8":
-            # FP8 experts with block scales (128 x 128: DeepSeek-V3/R1's and Qwen3's FP8 checkpoints), the only FP8
-            # rows SGLang's tables hold and the only ones of DeepSeek's shape in any: the same W8A8 grouped GEMM
-            # with a scale per block, where the per-tensor rows lack the shape
-            dtype = "fp8_block"
-            curve = _moe_split_curve(shape, dtype, w.tp // ep)
-        if curve is not None:
-            xs, ys = curve
-            wide = _moe_split_curve(shape, "bfloat16", w.tp // ep) if dtype != "bfloat16" else None
-            if wide is not None:
-                # narrower experts move fewer bytes through the same grouped GEMM, so a quantised MoE layer is never
-                # priced above the bf16 one of its shape (the H200 trtllm table times Llama-4 Scout's fp8 experts at
-                # EP 4 at 3-6x its bf16 and fp8_block rows: 0.26 ms for one token, bf16 0.09, fp8_block 0.05)
-                ys = monotone(np.minimum(ys, np.interp(xs, *wide, right=np.inf)))
-            return xs, ys
+        moe_tp = w.tp // ep
+        backends = [b for b in BACKEND_ORDER.get(self.backend, (self.backend,))
+                    if table_file(self.system, "moe", b, "moe_perf.parquet") is not None]
+        if not backends:
+            self.fallbacks["moe"] = "no MoE table"
+            return None
+        target = MoeShape(m.hidden_size, inter, m.experts_per_token, m.num_experts)
+        for backend in backends:
+            df = read_table(table_file(self.system, "moe", backend, "moe_perf.parquet"))
+            df = df[(df["moe_ep_size"] == ep) & df["distribution"].isin(MOE_DISTRIBUTIONS)]
+            for curve in itertools.chain((self._moe_exact(df, target, dtype, moe_tp) for dtype in dtypes),
+                                         (self._moe_near(df, target, dtype, moe_tp, ep) for dtype in dtypes)):
+                if curve is not None:
+                    if backend != self.backend:
+                        self.borrowed["moe"] = backend
+                    return curve
         self.fallbacks["moe"] = (f"experts {m.hidden_size}x{inter}, top-{m.experts_per_token} of {m.num_experts}, "
-                                 f"tp {w.tp // ep} ep {ep} not measured")
+                                 f"tp {moe_tp} ep {ep} not measured")
         return None
+
+    @staticmethod
+    def _moe_exact(df, target: MoeShape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The target shape's own curve in one table and dtype, capped by the bf16 curve of the shape."""
+        shape = df[(df["hidden_size"] == target.hidden) & (df["inter_size"] == target.inter)
+                   & (df["topk"] == target.topk) & (df["num_experts"] == target.experts)]
+        curve = _moe_split_curve(shape, dtype, moe_tp)
+        if curve is None:
+            return None
+        xs, ys = curve
+        wide = _moe_split_curve(shape, "bfloat16", moe_tp) if dtype != "bfloat16" else None
+        if wide is not None:
+            # narrower experts move fewer bytes through the same grouped GEMM, so a quantised MoE layer is never
+            # priced above the bf16 one of its shape (the H200 trtllm table times Llama-4 Scout's fp8 experts at
+            # EP 4 at 3-6x its bf16 and fp8_block rows: 0.26 ms for one token, bf16 0.09, fp8_block 0.05)
+            ys = monotone(np.minimum(ys, np.interp(xs, *wide, right=np.inf)))
+        return xs, ys
+
+    def _moe_near(self, df, target: MoeShape, dtype: str, moe_tp: int, ep: int
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The target's curve from the (up to 4) nearest timed expert shapes of the dtype, hidden and intermediate
+        sizes within NEIGHBOUR_OCTAVES: each shape's utilisation against the layer's roofline (`moe_sol`) at the
+        same routed tokens per expert, averaged with weights 1 / distance, divides the target's roofline."""
+        rows = df[df["moe_dtype"] == dtype]
+        shapes = {MoeShape(*key) for key in rows[["hidden_size", "inter_size", "topk", "num_experts"]]
+                  .drop_duplicates().itertuples(index=False, name=None)}
+        near = sorted((math.hypot(math.log2(s.hidden / target.hidden), math.log2(s.inter / target.inter)), s)
+                      for s in shapes if s != target)
+        near = [(d, s) for d, s in near[:4] if d <= NEIGHBOUR_OCTAVES]
+        curves = []
+        for d, s in near:
+            sel = rows[(rows["hidden_size"] == s.hidden) & (rows["inter_size"] == s.inter)
+                       & (rows["topk"] == s.topk) & (rows["num_experts"] == s.experts)]
+            curve = _moe_split_curve(sel, dtype, moe_tp)
+            if curve is not None:
+                xs, ys = curve
+                util = self._moe_sol(s, dtype, xs, moe_tp, ep) / ys
+                # the same tokens per expert (tokens x top-k / experts) on the target
+                curves.append((max(d, 0.25), xs * s.topk / s.experts * target.experts / target.topk, util))
+        if not curves:
+            return None
+        self.near_shapes["moe"] = (f"experts {target.hidden}x{target.inter}, top-{target.topk} of {target.experts} "
+                                   f"from {', '.join(f'{s.hidden}x{s.inter}' for _, s in near)}")
+        xs = np.unique(np.concatenate([c[1] for c in curves]))
+        weights = np.array([1.0 / c[0] for c in curves])
+        util = sum(wt * np.interp(xs, cx, cu) for wt, (_, cx, cu) in zip(weights, curves)) / weights.sum()
+        return xs, monotone(self._moe_sol(target, dtype, xs, moe_tp, ep) / util)
+
+    def _moe_sol(self, s: MoeShape, dtype: str, tokens: np.ndarray, moe_tp: int, ep: int) -> np.ndarray:
+        """Roofline seconds of one MoE layer of shape `s` on a rank at the datasheet rates (the utilisation's
+        yardstick): its gated experts' FLOPs, or the bytes of the experts the tokens touch (uniform routing)."""
+        hw = self.work.hw
+        peak = hw.peak_flops.get(GEMM_PEAK[dtype]) or hw.peak_flops.get("bf16") or hw.peak_flops["fp16"]
+        per_expert = 3 * s.hidden * s.inter / moe_tp
+        touched = s.experts * (1.0 - (1.0 - s.topk / s.experts) ** tokens) / ep
+        return np.maximum(2.0 * tokens * s.topk * per_expert / ep / peak,
+                          touched * per_expert * GEMM_ELEMENT_BYTES[dtype] / hw.memory_bandwidth_bytes_s)
 
     def _allreduce_curve(self, custom: bool) -> tuple[np.ndarray, np.ndarray] | None:
         tp = self.work.tp
