@@ -13,6 +13,7 @@ from simengine.config.model import load_model
 from simengine.core.batch import BatchShape
 from simengine.cost import step as step_module
 from simengine.cost.measured import (
+    GEMM_ELEMENT_BYTES,
     MOE_DISTRIBUTIONS,
     MeasuredKernels,
     MoeShape,
@@ -287,7 +288,7 @@ def test_an_unmeasured_expert_shape_is_priced_from_near_shapes_and_they_predict_
             shape = MoeShape(*map(int, key))
             sel = rows[(rows.hidden_size == shape.hidden) & (rows.inter_size == shape.inter)
                        & (rows.topk == shape.topk) & (rows.num_experts == shape.experts)]
-            near = k._moe_near(df, shape, dtype, 1, 1)   # excludes the shape itself
+            near = k._moe_near(df, shape, dtype, 1, 1, GEMM_ELEMENT_BYTES[dtype])   # excludes the shape itself
             assert near is not None, shape
             measured = _moe_split_curve(sel, dtype, 1)
             tokens = np.array([1.0, 16.0, 128.0, 1024.0, 8192.0])
@@ -310,6 +311,28 @@ def test_gpt_oss_experts_on_ampere_are_marlin_w4a16_from_the_nearest_backend():
         assert m.step(prefill).seconds > 1.3 * roof.step(prefill).seconds
     (_, h100) = kernel_models("h100_sxm", "gpt-oss-120b", 1, weight_dtype="mxfp4", backend="vllm")
     assert not h100.kernels.near_shapes and "moe" not in h100.kernels.borrowed   # measured as it is on Hopper
+
+
+@needs_tables
+def test_fp8_experts_on_ampere_carry_the_4_bit_marlin_utilisation_to_8_bit_weights():
+    """FP8 experts on an A100 run as W8A16 Marlin, which the tables time only with 4-bit weights: even the model's
+    own timed shape is a neighbour, its utilisation carried to one byte a weight, so a token's experts take longer
+    than the 4-bit table's and no more than twice (the bytes double, the math does not)."""
+    from simengine.engines.vllm_config import fp8_weight_only
+
+    dep = fp8_weight_only(make_dep("a100_80g_sxm", "qwen3-235b-a22b", weight_dtype="fp8", tp=2))
+    w = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=2)
+    k = MeasuredKernels(w, DeviceTerms.of(w, dep.hardware, custom_allreduce=True), system="a100_sxm", backend="vllm",
+                        custom_allreduce=True)
+    assert "from 4096x1536" in k.near_shapes["moe"] and k.borrowed["moe"] == "sglang"
+    df = read_table(table_file("a100_sxm", "moe", "sglang", "moe_perf.parquet"))
+    own = df[(df.hidden_size == 4096) & (df.inter_size == 1536) & (df.topk == 8) & (df.num_experts == 128)
+             & (df.moe_ep_size == 1) & df.distribution.isin(MOE_DISTRIBUTIONS)]
+    four_bit = np.interp(1.0, *_moe_split_curve(own, "int4_wo", 2))
+    assert four_bit < np.interp(1.0, *k.moe_curve) <= 2 * four_bit
+    ep = StepWork(dep.model, dep.hardware, weight_format=dep.weight_format, kv_elem_bytes=2.0, tp=2,
+                  expert_parallel=True)   # what EP rows time differs between collectors: no neighbours there
+    assert MeasuredKernels(ep, k.terms, system="a100_sxm", backend="vllm", custom_allreduce=True).moe_curve is None
 
 
 def test_attention_grid_of_roots_grows_time_in_proportion_beyond_the_largest_batch():

@@ -28,8 +28,8 @@ parallel rank; all-reduce messages count elements. We read the tables (never cop
 - norms, activation, RoPE/KV write (no tables exist): the roofline's elementwise terms and kernel floors.
 
 An op the tables do not cover (a device, dtype, head layout, MoE shape without timed neighbours or TP degree
-without rows) is priced by the roofline; `MeasuredKernels.fallbacks` says which and why, and every step records the seconds that came from
-measurements (`measured_s` in steps.csv).
+without rows) is priced by the roofline; `MeasuredKernels.fallbacks` says which and why, and every step records
+the seconds that came from measurements (`measured_s` in steps.csv).
 
 Reading a table and shaping it (GEMM sites, attention grids) takes a few tenths of a second, which every new process
 would pay; the shaped arrays are therefore kept on disk (`cached_arrays`: under $SIMENGINE_CACHE_DIR, else
@@ -221,7 +221,9 @@ def moe_dtypes(fmt: WeightFormat, hw: Hardware) -> tuple[str, ...]:
     (vLLM's Ampere path for gpt-oss; its tables' W4A16 `int4_wo` rows are that kernel with integer weights)."""
     dtype = MOE_DTYPES.get(fmt.name)
     if dtype == "fp8":
-        return "fp8", "fp8_block"
+        # on a device without FP8 math (Ampere) vLLM and SGLang run FP8 experts as W8A16 through the Marlin MoE
+        # kernel too (marlin_utils_fp8), which the tables time only with 4-bit weights
+        return ("fp8", "fp8_block") + (("int4_wo",) if fmt.compute_dtype not in hw.peak_flops else ())
     if dtype == "w4a16_mxfp4" and fmt.compute_dtype not in hw.peak_flops:
         return "w4a16_mxfp4", "int4_wo"
     return (dtype,) if dtype else ()
@@ -668,11 +670,20 @@ class MeasuredKernels(RooflineKernels):
             self.fallbacks["moe"] = "no MoE table"
             return None
         target = MoeShape(m.hidden_size, inter, m.experts_per_token, m.num_experts)
+        wb = w.weight_format.bytes_per_param
+        # a stand-in kernel whose weights are narrower or wider than the model's is never read as is: its own shape
+        # too is a neighbour (distance 0), its utilisation carried to the model's bytes
+        as_is = [d for d in dtypes if abs(GEMM_ELEMENT_BYTES[d] / wb - 1.0) <= 0.1]
         for backend in backends:
             df = read_table(table_file(self.system, "moe", backend, "moe_perf.parquet"))
             df = df[(df["moe_ep_size"] == ep) & df["distribution"].isin(MOE_DISTRIBUTIONS)]
-            for curve in itertools.chain((self._moe_exact(df, target, dtype, moe_tp) for dtype in dtypes),
-                                         (self._moe_near(df, target, dtype, moe_tp, ep) for dtype in dtypes)):
+            # near shapes only without expert parallelism: what the tables' EP rows time differs between collectors
+            # (SGLang's A100 rows at EP 8 take as long as at EP 1 with 8,192 tokens, vLLM's and TensorRT-LLM's a
+            # quarter to a fifth)
+            near = dtypes if ep == 1 else ()
+            for curve in itertools.chain((self._moe_exact(df, target, dtype, moe_tp) for dtype in as_is),
+                                         (self._moe_near(df, target, dtype, moe_tp, ep, wb, dtype not in as_is)
+                                          for dtype in near)):
                 if curve is not None:
                     if backend != self.backend:
                         self.borrowed["moe"] = backend
@@ -698,37 +709,40 @@ class MeasuredKernels(RooflineKernels):
             ys = monotone(np.minimum(ys, np.interp(xs, *wide, right=np.inf)))
         return xs, ys
 
-    def _moe_near(self, df, target: MoeShape, dtype: str, moe_tp: int, ep: int
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-        """The target's curve from the (up to 4) nearest timed expert shapes of the dtype, hidden and intermediate
-        sizes within NEIGHBOUR_OCTAVES: each shape's utilisation against the layer's roofline (`moe_sol`) at the
-        same routed tokens per expert, averaged with weights 1 / distance, divides the target's roofline."""
+    def _moe_near(self, df, target: MoeShape, dtype: str, moe_tp: int, ep: int, weight_bytes: float,
+                  with_target: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+        """The target's curve (experts of `weight_bytes` a parameter) from the (up to 4) nearest timed expert shapes
+        of the dtype, hidden and intermediate sizes within NEIGHBOUR_OCTAVES (the target's own among them when
+        `with_target`): each shape's utilisation against the layer's roofline (`_moe_sol`) at the same routed
+        tokens per expert, averaged with weights 1 / distance, divides the target's roofline."""
         rows = df[df["moe_dtype"] == dtype]
         shapes = {MoeShape(*key) for key in rows[["hidden_size", "inter_size", "topk", "num_experts"]]
                   .drop_duplicates().itertuples(index=False, name=None)}
         near = sorted((math.hypot(math.log2(s.hidden / target.hidden), math.log2(s.inter / target.inter)), s)
-                      for s in shapes if s != target)
+                      for s in shapes if with_target or s != target)
         near = [(d, s) for d, s in near[:4] if d <= NEIGHBOUR_OCTAVES]
-        curves = []
+        curves, used = [], []
         for d, s in near:
             sel = rows[(rows["hidden_size"] == s.hidden) & (rows["inter_size"] == s.inter)
                        & (rows["topk"] == s.topk) & (rows["num_experts"] == s.experts)]
             curve = _moe_split_curve(sel, dtype, moe_tp)
             if curve is not None:
                 xs, ys = curve
-                util = self._moe_sol(s, dtype, xs, moe_tp, ep) / ys
+                util = self._moe_sol(s, dtype, xs, moe_tp, ep, GEMM_ELEMENT_BYTES[dtype]) / ys
                 # the same tokens per expert (tokens x top-k / experts) on the target
                 curves.append((max(d, 0.25), xs * s.topk / s.experts * target.experts / target.topk, util))
+                used.append(f"{s.hidden}x{s.inter}")
         if not curves:
             return None
         self.near_shapes["moe"] = (f"experts {target.hidden}x{target.inter}, top-{target.topk} of {target.experts} "
-                                   f"from {', '.join(f'{s.hidden}x{s.inter}' for _, s in near)}")
+                                   f"from {', '.join(used)}")
         xs = np.unique(np.concatenate([c[1] for c in curves]))
         weights = np.array([1.0 / c[0] for c in curves])
         util = sum(wt * np.interp(xs, cx, cu) for wt, (_, cx, cu) in zip(weights, curves)) / weights.sum()
-        return xs, monotone(self._moe_sol(target, dtype, xs, moe_tp, ep) / util)
+        return xs, monotone(self._moe_sol(target, dtype, xs, moe_tp, ep, weight_bytes) / util)
 
-    def _moe_sol(self, s: MoeShape, dtype: str, tokens: np.ndarray, moe_tp: int, ep: int) -> np.ndarray:
+    def _moe_sol(self, s: MoeShape, dtype: str, tokens: np.ndarray, moe_tp: int, ep: int, weight_bytes: float
+                 ) -> np.ndarray:
         """Roofline seconds of one MoE layer of shape `s` on a rank at the datasheet rates (the utilisation's
         yardstick): its gated experts' FLOPs, or the bytes of the experts the tokens touch (uniform routing)."""
         hw = self.work.hw
@@ -736,7 +750,7 @@ class MeasuredKernels(RooflineKernels):
         per_expert = 3 * s.hidden * s.inter / moe_tp
         touched = s.experts * (1.0 - (1.0 - s.topk / s.experts) ** tokens) / ep
         return np.maximum(2.0 * tokens * s.topk * per_expert / ep / peak,
-                          touched * per_expert * GEMM_ELEMENT_BYTES[dtype] / hw.memory_bandwidth_bytes_s)
+                          touched * per_expert * weight_bytes / hw.memory_bandwidth_bytes_s)
 
     def _allreduce_curve(self, custom: bool) -> tuple[np.ndarray, np.ndarray] | None:
         tp = self.work.tp
