@@ -35,10 +35,13 @@ def work(dep) -> StepWork:
 
 def test_a_rank_holds_the_attention_whole_and_a_tp_share_of_the_experts():
     tp, adp = deps()
-    m, wb = tp.model, tp.weight_format.bytes_per_param
-    experts = m.routed_expert_params_total * wb
-    assert adp.weight_bytes_per_device == pytest.approx((m.total_params * wb - experts) + experts / 8)
-    assert tp.weight_bytes_per_device == pytest.approx(m.total_params * wb / 8)
+    m, fmt = tp.model, tp.weight_format
+    experts = m.routed_expert_params_total * fmt.bytes_per_param
+    # FP8: the embedding, LM head and norms stay 16-bit, every linear layer one byte
+    rest = (m.embedding_params + m.lm_head_params + m.norm_params) * 2.0 + m.dense_linear_params * 1.0
+    assert m.stored_bytes(fmt) == pytest.approx((rest, experts))
+    assert adp.weight_bytes_per_device == pytest.approx(rest + experts / 8)
+    assert tp.weight_bytes_per_device == pytest.approx((rest + experts) / 8)
     # every KV head on the rank that owns the request (Qwen3-235B's 4 KV heads are replicated under TP8)
     assert adp.kv_bytes_per_token_per_device == pytest.approx(m.kv_bytes_per_token(1.0))
     assert tp.kv_bytes_per_token_per_device == pytest.approx(m.kv_bytes_per_token(1.0) / 4)

@@ -279,3 +279,24 @@ def test_deepseek_r1_distills_alias_only_identical_architectures():
     assert d15.total_params - q15.total_params == 151936 * 1536
     assert model_names()["deepseek-r1-distill-qwen-7b"] != model_names()["qwen2.5-7b"]
     assert load_model("deepseek-r1-distill-qwen-7b").total_params == load_model("qwen2.5-7b").total_params
+
+
+def test_each_part_of_a_quantised_checkpoint_is_held_at_the_bytes_it_is_stored_in():
+    """The token embedding and LM head of an FP8 checkpoint stay 16-bit; gpt-oss's MXFP4 release quantises only its
+    experts; its llama.cpp GGUF holds everything else in Q8_0, and comes out at the published file's size."""
+    llama = load_model("llama-3.1-8b")
+    rest, experts = llama.stored_bytes(WEIGHT_FORMATS["fp8"])
+    assert experts == 0
+    assert rest == pytest.approx((llama.embedding_params + llama.lm_head_params + llama.norm_params) * 2.0
+                                 + llama.dense_linear_params * 1.0)
+    assert sum(llama.stored_bytes(WEIGHT_FORMATS["bf16"])) == pytest.approx(2.0 * llama.total_params)
+    oss = load_model("gpt-oss-20b")
+    rest, experts = oss.stored_bytes(WEIGHT_FORMATS["mxfp4"])
+    assert experts == pytest.approx(oss.routed_expert_params_total * 17 / 32)   # 32 FP4 values and an E8M0 scale
+    assert rest == pytest.approx(2.0 * (oss.total_params - oss.routed_expert_params_total))
+    from simengine.engines.llamacpp_config import gguf_tensor_types
+    from tests.conftest import make_dep
+
+    gguf = gguf_tensor_types(make_dep("rtx_4090", "gpt-oss-20b", weight_dtype="mxfp4"))
+    # lmstudio-community/gpt-oss-20b-GGUF gpt-oss-20b-MXFP4.gguf: 12,109,565,632 bytes
+    assert gguf.weight_bytes_per_device == pytest.approx(12_109_565_632, rel=0.02)

@@ -17,10 +17,20 @@ class WeightFormat:
     fallback_compute: str | None = None  # used when the device lacks compute_dtype (dequantise first)
     source: str = ""
     lm_head_bytes: float | None = None   # bytes per param of the output projection when not quantised like the rest
+    embedding_bytes: float | None = None  # bytes per param of the token embedding when not quantised like the rest
+    dense_bytes: float | None = None      # bytes per param of the non-expert linear layers when only experts are
 
     @property
     def lm_head_bytes_per_param(self) -> float:
         return self.bytes_per_param if self.lm_head_bytes is None else self.lm_head_bytes
+
+    @property
+    def embedding_bytes_per_param(self) -> float:
+        return self.bytes_per_param if self.embedding_bytes is None else self.embedding_bytes
+
+    @property
+    def dense_bytes_per_param(self) -> float:
+        return self.bytes_per_param if self.dense_bytes is None else self.dense_bytes
 
 
 # Bytes include quantisation scales. Sources in the `source` strings.
@@ -28,17 +38,22 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat("fp32", 4.0, "fp32", source="IEEE single"),
     "fp16": WeightFormat("fp16", 2.0, "fp16", source="IEEE half"),
     "bf16": WeightFormat("bf16", 2.0, "bf16", source="bfloat16"),
-    # The quantisation recipes leave the output projection (lm_head) in 16 bit: NVIDIA ModelOpt's FP8/NVFP4
-    # checkpoints (quantization_config 'exclude_modules': ['lm_head']), AutoAWQ/GPTQ (lm_head not quantised),
-    # SmoothQuant W8A8 and gpt-oss's MXFP4 release (experts only). llama.cpp's q4_0/q8_0 files store `output.weight`
-    # as q6_K (210 bytes per 256 weights; llama-quant.cpp picks GGML_TYPE_Q6_K for the output tensor) and q8_0.
-    "fp8": WeightFormat("fp8", 1.0, "fp8", source="FP8 E4M3 W8A8; per-tensor scales negligible", lm_head_bytes=2.0),
-    "int8": WeightFormat("int8", 1.0, "int8", fallback_compute="fp16", lm_head_bytes=2.0,
+    # The quantisation recipes leave the output projection (lm_head) and the token embedding (a lookup table, not a
+    # Linear layer) in 16 bit: NVIDIA ModelOpt's FP8/NVFP4 checkpoints (quantization_config 'exclude_modules':
+    # ['lm_head']), AutoAWQ/GPTQ (lm_head not quantised), SmoothQuant W8A8 and gpt-oss's MXFP4 release, which
+    # quantises only the experts (openai/gpt-oss-120b config.json quantization_config 'modules_to_not_convert':
+    # model.layers.*.self_attn, model.layers.*.mlp.router, model.embed_tokens, lm_head). llama.cpp's q4_0/q8_0
+    # files store `output.weight` as q6_K (210 bytes per 256 weights; llama-quant.cpp picks GGML_TYPE_Q6_K for the
+    # output tensor) and q8_0, and `token_embd.weight` in the file's type.
+    "fp8": WeightFormat("fp8", 1.0, "fp8", source="FP8 E4M3 W8A8; per-tensor scales negligible", lm_head_bytes=2.0,
+                        embedding_bytes=2.0),
+    "int8": WeightFormat("int8", 1.0, "int8", fallback_compute="fp16", lm_head_bytes=2.0, embedding_bytes=2.0,
                          source="W8A8 SmoothQuant on int8 tensor cores; W8A16 dequantises where no int8 path"),
     # AWQ/GPTQ W4A16, group size 128 with an fp16 scale (+ packed zero) per group: ~2 bytes / 128 weights
     # (AutoAWQ/GPTQ packing: 4-bit weights, fp16 scale and zero per 128-weight group); dequantised to fp16 and computed
     # in fp16.
-    "int4": WeightFormat("int4", 0.5 + 2.0 / 128, "fp16", source="AWQ/GPTQ W4A16 g128", lm_head_bytes=2.0),
+    "int4": WeightFormat("int4", 0.5 + 2.0 / 128, "fp16", source="AWQ/GPTQ W4A16 g128", lm_head_bytes=2.0,
+                         embedding_bytes=2.0),
     # llama.cpp block formats (ggml-common.h): q4_0 = 32 weights in 18 bytes, q8_0 = 32 weights in 34 bytes.
     "q4_0": WeightFormat("q4_0", 18 / 32, "fp16", source="ggml block_q4_0: fp16 scale + 16 bytes per 32",
                          lm_head_bytes=210 / 256),
@@ -53,11 +68,12 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "q4_k_m": WeightFormat("q4_k_m", 4.80 / 8, "fp16", lm_head_bytes=210 / 256,
                            source="llama-quantize Q4_K_M: q4_K with q6_K ffn_down/attn_v in half the layers"),
     # OCP MX FP4: 32 elements share one 8-bit E8M0 scale -> 4.25 bits (OCP Microscaling spec v1.0).
-    "mxfp4": WeightFormat("mxfp4", 4.25 / 8, "fp4", fallback_compute="bf16", lm_head_bytes=2.0,
-                          source="OCP MX spec v1.0; Hopper dequantises to bf16 (Marlin/Triton MoE kernels)"),
+    "mxfp4": WeightFormat("mxfp4", 4.25 / 8, "fp4", fallback_compute="bf16", lm_head_bytes=2.0, embedding_bytes=2.0,
+                          dense_bytes=2.0, source="OCP MX spec v1.0, experts only; Hopper dequantises to bf16 "
+                                                  "(Marlin/Triton MoE kernels)"),
     # NVFP4: 16 elements share one FP8 E4M3 scale -> 4.5 bits (NVIDIA Blackwell NVFP4 blog, 2025).
     "nvfp4": WeightFormat("nvfp4", 4.5 / 8, "fp4", source="NVIDIA NVFP4: 16-element blocks, fp8 scale",
-                          lm_head_bytes=2.0),
+                          lm_head_bytes=2.0, embedding_bytes=2.0),
 }
 WEIGHT_FORMATS["fp4"] = WEIGHT_FORMATS["nvfp4"]  # validation CSV spelling of NVFP4
 # ggml block formats: GGUF files that llama.cpp runs and the CUDA engines do not load

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from simengine.config.dtypes import WeightFormat
 from simengine.config.hardware import REPO_ROOT
 from simengine.errors import InputError, unknown_name
 
@@ -87,6 +88,14 @@ class ModelSpec:
         lm = 0 if self.tie_word_embeddings else self.lm_head_params
         return (self.embedding_params + lm + self.norm_params + self.dense_linear_params
                 + self.routed_expert_params_total)
+
+    def stored_bytes(self, fmt: WeightFormat) -> tuple[float, float]:
+        """(bytes of everything but the routed experts, bytes of the routed experts) as a checkpoint of `fmt` stores
+        them: the embedding, LM head and non-expert layers at the format's own bytes for each, norms in 16 bit."""
+        lm = 0 if self.tie_word_embeddings else self.lm_head_params
+        rest = (self.embedding_params * fmt.embedding_bytes_per_param + lm * fmt.lm_head_bytes_per_param
+                + self.norm_params * 2.0 + self.dense_linear_params * fmt.dense_bytes_per_param)
+        return rest, self.routed_expert_params_total * fmt.bytes_per_param
 
     @property
     def active_params(self) -> int:

@@ -109,7 +109,7 @@ class StepWork:
         self.attn_dtype = "bf16" if "bf16" in hw.peak_flops else ("fp16" if "fp16" in hw.peak_flops
                                                                    else self.compute_dtype)
         wb = weight_format.bytes_per_param
-        self.dense_weight_bytes = m.dense_linear_params * wb / at
+        self.dense_weight_bytes = m.dense_linear_params * weight_format.dense_bytes_per_param / at
         self.expert_bytes = m.expert_params * wb / tp   # a TP slice of every expert, or 1/tp of them whole (EP)
         self.lm_head_bytes = m.lm_head_params * weight_format.lm_head_bytes_per_param / at
         self.lm_head_dtype = self.compute_dtype if weight_format.lm_head_bytes_per_param == wb else self.attn_dtype

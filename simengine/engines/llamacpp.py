@@ -30,6 +30,7 @@ from simengine.engines.devices import ALL_CLASSES, launch_cost_s
 from simengine.engines.llamacpp_config import (
     MIB,
     LlamaCppParams,
+    gguf_tensor_types,
     llamacpp_check_deployment,
     llamacpp_fit_ctx,
     llamacpp_speculation,
@@ -68,6 +69,7 @@ class LlamaCppEngine(EnginePolicy):
 
     def __init__(self, params: LlamaCppParams, dep: Deployment):
         llamacpp_check_deployment(dep)
+        dep = gguf_tensor_types(dep)
         p = params
         dep = with_proposer(dep, self.speculation_of(p, dep))   # the draft model's weights and KV fit first
         auto = p.n_parallel in (None, 1) and not p.kv_unified

@@ -4,9 +4,11 @@ tools/server, master 001d906). The server loop that uses them is engines/llamacp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.config.loader import MAX_TOKENS, Checked, Range, Sequences, Share, Tokens
 from simengine.engines.devices import gpu_visible_bytes, refuse_gaudi
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
@@ -75,6 +77,21 @@ def llamacpp_check_deployment(dep: Deployment) -> None:
     if dep.tp > 1:
         raise InputError("llama.cpp splits layers across devices (--split-mode layer, the default), not tensors; "
                          "use deployment.pp instead of tp", field="deployment.tp")
+
+
+def gguf_tensor_types(dep: Deployment) -> Deployment:
+    """The deployment's weights as the GGUF files llama.cpp loads store them. gpt-oss's MXFP4 GGUF keeps the
+    experts in MXFP4 and every other tensor (attention, router, embedding, output) in Q8_0, 34 bytes per 32: the
+    file's size says so (lmstudio-community/gpt-oss-20b-GGUF gpt-oss-20b-MXFP4.gguf, 12,109,565,632 bytes: the
+    19.11 G expert weights at 17 bytes per 32 take 10.15 GB, the other 1.80 G weights the remaining 1.96 GB, 1.09
+    bytes each with the f32 norms and biases), where the HF checkpoint holds them in BF16."""
+    fmt = dep.weight_format
+    if fmt.name != "mxfp4":
+        return dep
+    q8 = WEIGHT_FORMATS["q8_0"].bytes_per_param
+    return dataclasses.replace(dep, weight_format=dataclasses.replace(
+        fmt, dense_bytes=q8, embedding_bytes=q8, lm_head_bytes=q8,
+        source=fmt.source + "; GGUF: the other tensors Q8_0"))
 
 
 def llamacpp_fit_ctx(p: LlamaCppParams, dep: Deployment) -> int:

@@ -51,12 +51,11 @@ class Deployment:
 
     @property
     def weight_bytes_per_device(self) -> float:
-        m, wb = self.model, self.weight_format.bytes_per_param
+        rest, experts = self.model.stored_bytes(self.weight_format)
         if self.attention_dp:   # everything but the routed experts whole on each rank, the experts spread over tp
-            per_device = ((m.total_params - m.routed_expert_params_total) * wb
-                          + m.routed_expert_params_total * wb / self.tp) / self.pp
+            per_device = (rest + experts / self.tp) / self.pp
         else:
-            per_device = m.total_params * wb / self.num_devices
+            per_device = (rest + experts) / self.num_devices
         return per_device + self.proposer_weight_bytes_per_device + self.adapter_weight_bytes_per_device
 
     @property
@@ -116,6 +115,6 @@ def _what_fits(dep: Deployment, kv_bytes_of: Callable[[Deployment], float]) -> s
         wider = dataclasses.replace(dep, tp=tp)
         if kv_tokens(wider, kv_bytes_of(wider)) >= MIN_KV_TOKENS:
             return f"use tp={tp}, a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory"
-    total = m.total_params * dep.weight_format.bytes_per_param / GIB
+    total = sum(m.stored_bytes(dep.weight_format)) / GIB
     return (f"no tp up to {most} ({hw.name}'s node of {hw.node_size}) leaves room for KV beside its {total:.0f} GiB "
             f"of weights: use a smaller weight_dtype (e.g. fp8 or int4) or a device with more memory")

@@ -215,11 +215,12 @@ def with_proposer(dep: Deployment, spec: Speculation | None) -> Deployment:
     model = proposer_model(spec, dep.model)
     if model is None:
         return dep
-    fmt = dep.weight_format.bytes_per_param
+    fmt = dep.weight_format
     if spec.method == "draft_model":
-        weights = model.total_params * fmt
+        weights = sum(model.stored_bytes(fmt))
     else:
-        weights = (model.dense_linear_params + model.num_moe_layers * model.num_experts * model.expert_params) * fmt
+        weights = (model.dense_linear_params * fmt.dense_bytes_per_param
+                   + model.routed_expert_params_total * fmt.bytes_per_param)
     kv_per_token = model.kv_bytes_per_token(dep.kv_elem_bytes)
     if not model.kv_latent_dim:   # KV heads split by tp as the target's (replicated past their count)
         kv_per_token *= max(1.0, model.num_kv_heads / dep.attention_tp) / model.num_kv_heads
