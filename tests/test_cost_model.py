@@ -311,6 +311,9 @@ def test_gpt_oss_experts_on_ampere_are_marlin_w4a16_from_the_nearest_backend():
         assert m.step(prefill).seconds > 1.3 * roof.step(prefill).seconds
     (_, h100) = kernel_models("h100_sxm", "gpt-oss-120b", 1, weight_dtype="mxfp4", backend="vllm")
     assert not h100.kernels.near_shapes and "moe" not in h100.kernels.borrowed   # measured as it is on Hopper
+    # every linear op is measured there: none of the roofline's weight bytes is left, the BF16 attention included
+    features = h100.kernels.token_features(np.array([1.0, 64.0, 4096.0]))
+    assert np.all(np.abs(features["lin_m"]) < 1e-12) and np.all(np.abs(features["lin_c"]) < 1e-12)
 
 
 @needs_tables

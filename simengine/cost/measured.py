@@ -802,7 +802,8 @@ class MeasuredKernels(RooflineKernels):
         """The roofline's features with every op the tables time moved to measured seconds."""
         w = self.work
         f = super().token_features(tokens)
-        wb, g, mb = w.weight_format.bytes_per_param, self.terms.g_linear, self.terms.memory_fraction
+        # the bytes the roofline counted for the layers' non-expert weights (gpt-oss: BF16 beside MXFP4 experts)
+        wb, g, mb = w.weight_format.dense_bytes_per_param, self.terms.g_linear, self.terms.memory_fraction
         for op in self.gemm_ops:
             name, n, k, calls, _ = op
             lat = None if name == "lm_head" else self._gemm_s(op, tokens)
