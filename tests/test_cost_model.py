@@ -288,7 +288,7 @@ def test_an_unmeasured_expert_shape_is_priced_from_near_shapes_and_they_predict_
             shape = MoeShape(*map(int, key))
             sel = rows[(rows.hidden_size == shape.hidden) & (rows.inter_size == shape.inter)
                        & (rows.topk == shape.topk) & (rows.num_experts == shape.experts)]
-            near = k._moe_near(df, shape, dtype, 1, 1, GEMM_ELEMENT_BYTES[dtype])   # excludes the shape itself
+            near = k._moe_near(df, shape, dtype, 1, GEMM_ELEMENT_BYTES[dtype])   # excludes the shape itself
             assert near is not None, shape
             measured = _moe_split_curve(sel, dtype, 1)
             tokens = np.array([1.0, 16.0, 128.0, 1024.0, 8192.0])

@@ -229,6 +229,12 @@ def moe_dtypes(fmt: WeightFormat, hw: Hardware) -> tuple[str, ...]:
     return (dtype,) if dtype else ()
 
 
+def _shape_rows(df, s: MoeShape):
+    """A MoE table's rows of one expert shape."""
+    return df[(df["hidden_size"] == s.hidden) & (df["inter_size"] == s.inter) & (df["topk"] == s.topk)
+              & (df["num_experts"] == s.experts)]
+
+
 def _moe_split_curve(shape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(tokens, seconds) of one MoE layer whose experts are sliced `moe_tp` ways (one shape, EP and dtype of a
     table), or None where fewer than two token counts were timed. A finer slicing measured in the same table bounds
@@ -682,7 +688,7 @@ class MeasuredKernels(RooflineKernels):
             # quarter to a fifth)
             near = dtypes if ep == 1 else ()
             for curve in itertools.chain((self._moe_exact(df, target, dtype, moe_tp) for dtype in as_is),
-                                         (self._moe_near(df, target, dtype, moe_tp, ep, wb, dtype not in as_is)
+                                         (self._moe_near(df, target, dtype, moe_tp, wb, dtype not in as_is)
                                           for dtype in near)):
                 if curve is not None:
                     if backend != self.backend:
@@ -695,8 +701,7 @@ class MeasuredKernels(RooflineKernels):
     @staticmethod
     def _moe_exact(df, target: MoeShape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The target shape's own curve in one table and dtype, capped by the bf16 curve of the shape."""
-        shape = df[(df["hidden_size"] == target.hidden) & (df["inter_size"] == target.inter)
-                   & (df["topk"] == target.topk) & (df["num_experts"] == target.experts)]
+        shape = _shape_rows(df, target)
         curve = _moe_split_curve(shape, dtype, moe_tp)
         if curve is None:
             return None
@@ -709,12 +714,13 @@ class MeasuredKernels(RooflineKernels):
             ys = monotone(np.minimum(ys, np.interp(xs, *wide, right=np.inf)))
         return xs, ys
 
-    def _moe_near(self, df, target: MoeShape, dtype: str, moe_tp: int, ep: int, weight_bytes: float,
+    def _moe_near(self, df, target: MoeShape, dtype: str, moe_tp: int, weight_bytes: float,
                   with_target: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-        """The target's curve (experts of `weight_bytes` a parameter) from the (up to 4) nearest timed expert shapes
-        of the dtype, hidden and intermediate sizes within NEIGHBOUR_OCTAVES (the target's own among them when
-        `with_target`): each shape's utilisation against the layer's roofline (`_moe_sol`) at the same routed
-        tokens per expert, averaged with weights 1 / distance, divides the target's roofline."""
+        """The target's curve (experts of `weight_bytes` a parameter, no expert parallelism) from the (up to 4)
+        nearest timed expert shapes of the dtype, hidden and intermediate sizes within NEIGHBOUR_OCTAVES (the
+        target's own among them when `with_target`): each shape's utilisation against the layer's roofline
+        (`_moe_sol`) at the same routed tokens per expert, averaged with weights 1 / distance, divides the
+        target's roofline."""
         rows = df[df["moe_dtype"] == dtype]
         shapes = {MoeShape(*key) for key in rows[["hidden_size", "inter_size", "topk", "num_experts"]]
                   .drop_duplicates().itertuples(index=False, name=None)}
@@ -723,12 +729,10 @@ class MeasuredKernels(RooflineKernels):
         near = [(d, s) for d, s in near[:4] if d <= NEIGHBOUR_OCTAVES]
         curves, used = [], []
         for d, s in near:
-            sel = rows[(rows["hidden_size"] == s.hidden) & (rows["inter_size"] == s.inter)
-                       & (rows["topk"] == s.topk) & (rows["num_experts"] == s.experts)]
-            curve = _moe_split_curve(sel, dtype, moe_tp)
+            curve = _moe_split_curve(_shape_rows(rows, s), dtype, moe_tp)
             if curve is not None:
                 xs, ys = curve
-                util = self._moe_sol(s, dtype, xs, moe_tp, ep, GEMM_ELEMENT_BYTES[dtype]) / ys
+                util = self._moe_sol(s, dtype, xs, moe_tp, GEMM_ELEMENT_BYTES[dtype]) / ys
                 # the same tokens per expert (tokens x top-k / experts) on the target
                 curves.append((max(d, 0.25), xs * s.topk / s.experts * target.experts / target.topk, util))
                 used.append(f"{s.hidden}x{s.inter}")
@@ -739,17 +743,16 @@ class MeasuredKernels(RooflineKernels):
         xs = np.unique(np.concatenate([c[1] for c in curves]))
         weights = np.array([1.0 / c[0] for c in curves])
         util = sum(wt * np.interp(xs, cx, cu) for wt, (_, cx, cu) in zip(weights, curves)) / weights.sum()
-        return xs, monotone(self._moe_sol(target, dtype, xs, moe_tp, ep, weight_bytes) / util)
+        return xs, monotone(self._moe_sol(target, dtype, xs, moe_tp, weight_bytes) / util)
 
-    def _moe_sol(self, s: MoeShape, dtype: str, tokens: np.ndarray, moe_tp: int, ep: int, weight_bytes: float
-                 ) -> np.ndarray:
+    def _moe_sol(self, s: MoeShape, dtype: str, tokens: np.ndarray, moe_tp: int, weight_bytes: float) -> np.ndarray:
         """Roofline seconds of one MoE layer of shape `s` on a rank at the datasheet rates (the utilisation's
         yardstick): its gated experts' FLOPs, or the bytes of the experts the tokens touch (uniform routing)."""
         hw = self.work.hw
         peak = hw.peak_flops.get(GEMM_PEAK[dtype]) or hw.peak_flops.get("bf16") or hw.peak_flops["fp16"]
         per_expert = 3 * s.hidden * s.inter / moe_tp
-        touched = s.experts * (1.0 - (1.0 - s.topk / s.experts) ** tokens) / ep
-        return np.maximum(2.0 * tokens * s.topk * per_expert / ep / peak,
+        touched = s.experts * (1.0 - (1.0 - s.topk / s.experts) ** tokens)
+        return np.maximum(2.0 * tokens * s.topk * per_expert / peak,
                           touched * per_expert * weight_bytes / hw.memory_bandwidth_bytes_s)
 
     def _allreduce_curve(self, custom: bool) -> tuple[np.ndarray, np.ndarray] | None:
@@ -803,13 +806,13 @@ class MeasuredKernels(RooflineKernels):
         w = self.work
         f = super().token_features(tokens)
         # the bytes the roofline counted for the layers' non-expert weights (gpt-oss: BF16 beside MXFP4 experts)
-        wb, g, mb = w.weight_format.dense_bytes_per_param, self.terms.g_linear, self.terms.memory_fraction
+        db, g, mb = w.weight_format.dense_bytes_per_param, self.terms.g_linear, self.terms.memory_fraction
         for op in self.gemm_ops:
             name, n, k, calls, _ = op
             lat = None if name == "lm_head" else self._gemm_s(op, tokens)
             if lat is None:
                 continue
-            c, m = 2.0 * tokens * n * k * calls / self.linear_peak, n * k * wb * calls / self.bandwidth
+            c, m = 2.0 * tokens * n * k * calls / self.linear_peak, n * k * db * calls / self.bandwidth
             self._measured(f, lat * calls, c / g >= m / mb)
             f["lin_c"], f["lin_m"] = f["lin_c"] - c, f["lin_m"] - m
             f["floors"] = f["floors"] - calls
@@ -826,7 +829,7 @@ class MeasuredKernels(RooflineKernels):
             mm = w.model
             proj = mm.num_layers * mm.attn_params_per_layer / w.attention_tp
             f["lin_c"] = f["lin_c"] - 2.0 * tokens * proj / self.linear_peak
-            f["lin_m"] = f["lin_m"] - proj * wb / self.bandwidth
+            f["lin_m"] = f["lin_m"] - proj * db / self.bandwidth
             f["floors"] = f["floors"] - 2 * mm.num_layers   # the q/kv and output GEMMs
         # what the tables price leaves no linear work but rounding: clamp it away
         f["lin_c"], f["lin_m"] = np.maximum(f["lin_c"], 0.0), np.maximum(f["lin_m"], 0.0)
