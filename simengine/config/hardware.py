@@ -13,9 +13,12 @@ from simengine.errors import InputError, unknown_name
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARDWARE_DIR = REPO_ROOT / "hardware"
 
-# HBM/unified capacities are marketed in GiB-sized units; CUDA reports ~99.5% of that as total
-# (nvidia-smi's memory.total: H100 80 GB -> 81559 MiB; H200 141 GB -> 143771 MiB).
-USABLE_FRACTION_OF_MARKETED = 0.995
+# HBM/unified capacities are marketed in GiB-sized units; the CUDA runtime reports about 99 % of that as the device's
+# total (cudaMemGetInfo, what engines size their pools from): H100 80 GB -> 79.18-79.22 GiB in vLLM's startup logs
+# (vllm-project/vllm PR #10511; llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md;
+# llm-d-incubation/llm-d-planner PR #205), A100 40 GB -> 39.5 GiB (ovg-project/kvcached PR #448: 36.33 GiB at 0.92).
+# nvidia-smi's memory.total is a little larger (H100 80 GB: 81559 MiB).
+USABLE_FRACTION_OF_MARKETED = 0.99
 COMPUTE_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4", "fp4")
 
 

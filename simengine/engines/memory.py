@@ -69,17 +69,18 @@ class Deployment:
         return per_token * heads_per_device / m.num_kv_heads / self.pp + self.proposer_kv_bytes_per_token_per_device
 
 
-def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs: int) -> float:
-    """Peak activation memory of a profiling forward of `max_tokens_per_step` tokens (per device).
-
-    ESTIMATE of what engines measure with a dummy forward: the MLP's gate/up output and activation
-    (3 x intermediate per token, 16-bit) plus hidden-state buffers, and fp32 logits for `max_seqs` rows.
-    """
+def forward_activation_bytes(dep: Deployment, tokens: int) -> float:
+    """Peak activation memory of a dummy forward of `tokens` tokens (per device). ESTIMATE: the MLP's gate/up output
+    and activation (3 x intermediate per token, 16-bit) plus hidden-state buffers."""
     m = dep.model
-    inter = m.intermediate_size if not m.is_moe else m.intermediate_size
-    per_token = 2.0 * (3 * inter / dep.attention_tp + 6 * m.hidden_size)
-    logits = 4.0 * min(max_seqs, max_tokens_per_step) * m.vocab_size / dep.attention_tp
-    return max_tokens_per_step * per_token + logits
+    return tokens * 2.0 * (3 * m.intermediate_size / dep.attention_tp + 6 * m.hidden_size)
+
+
+def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs: int) -> float:
+    """Peak activation memory of a profiling forward of `max_tokens_per_step` tokens (per device): the forward's
+    (forward_activation_bytes) and fp32 logits for `max_seqs` rows. ESTIMATE, as engines measure it."""
+    logits = 4.0 * min(max_seqs, max_tokens_per_step) * dep.model.vocab_size / dep.attention_tp
+    return forward_activation_bytes(dep, max_tokens_per_step) + logits
 
 
 def kv_tokens(dep: Deployment, kv_bytes: float) -> int:

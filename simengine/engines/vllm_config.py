@@ -11,13 +11,27 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from simengine.config.loader import MAX_TOKENS, Checked, MemoryFraction, Range, Sequences, Tokens
-from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
+from simengine.engines.memory import Deployment, forward_activation_bytes, kv_tokens_or_refuse
 from simengine.engines.speculative import AcceptanceKnobs
 from simengine.errors import InputError
 from simengine.kvcache.host_tier import host_tier
 from simengine.kvcache.manager import KVCacheManager
 
 GIB = 2**30
+# What vLLM's memory profile (gpu_worker.determine_available_memory: util x total - weights - torch peak - non-torch
+# increase) measures besides the weights, from the startup logs of vLLM 0.19.0 on H100 (llm-d-incubation/llm-d-planner
+# PR #205, accuracy/results/v0.19.0; max_num_seqs 1024, 8192 batched tokens):
+# - the profile run samples min(max_num_seqs, max_num_batched_tokens) rows of full-vocabulary fp32 logits with top-k
+#   and top-p on (gpu_model_runner._dummy_sampler_run, PR #13594), and that sampler, not the forward, sets the torch
+#   peak for a large vocabulary: 1.89 GiB for Llama-3.1-8B, 2.21 for Qwen3-8B/Qwen2.5-7B, 2.87 for gpt-oss-20b, 3.66
+#   for gemma-2-27b, 3.74-3.87 x the logits. Builds between (about) 0.12 and 0.16 sorted the logits for top-k/top-p
+#   and peaked at about 9.6 x (llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: Qwen3-32B 5.64
+#   GiB); that is not modelled (GPUStack's 0.10-0.11 runs of gpt-oss-120b on one H100 fit the smaller multiple).
+SAMPLER_PROFILE_LOGITS_MULTIPLE = 3.8
+# - non-torch memory that grows during the profile (NCCL and custom all-reduce buffers): 0.24-0.27 GiB at TP1,
+#   2.06-2.21 GiB at TP2 and TP4 (same logs; 0.07 GiB with pipeline parallelism alone)
+NON_TORCH_BYTES_TP1 = 0.25 * GIB
+NON_TORCH_BYTES_TP = 2.1 * GIB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +50,7 @@ class VllmParams(Checked):
 
     max_num_seqs: Sequences | None = None  # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
     max_num_batched_tokens: Tokens | None = None   # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
-    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py (0.9 before 0.33)
+    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py; 0.9 before v0.20.0 (PR #38284)
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
     enable_prefix_caching: bool = True             # config/cache.py
     long_prefill_token_threshold: Annotated[int, Range(0, MAX_TOKENS)] = 0  # config/scheduler.py (0 = off)
@@ -93,6 +107,14 @@ def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def vllm_profile_bytes(dep: Deployment, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+    """Memory per device vLLM's profile finds besides the weights: the larger of the dummy forward's activations and
+    its dummy sampler's peak, and the non-torch memory it grows (SAMPLER_PROFILE_LOGITS_MULTIPLE, NON_TORCH_BYTES_*)."""
+    logits = 4.0 * min(max_num_seqs, max_num_batched_tokens) * dep.model.vocab_size   # every TP rank samples
+    torch_peak = max(forward_activation_bytes(dep, max_num_batched_tokens), SAMPLER_PROFILE_LOGITS_MULTIPLE * logits)
+    return torch_peak + (NON_TORCH_BYTES_TP if dep.tp > 1 else NON_TORCH_BYTES_TP1)
+
+
 def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, max_num_seqs: int) -> KVCacheManager:
     """The paged KV pool vLLM sizes on this deployment (gpu_worker.determine_available_memory: the utilisation share of
     memory less weights, the profiled activation peak and non-torch memory; or kv_cache_memory_bytes), with the CPU
@@ -101,7 +123,7 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
         if p.kv_cache_memory_bytes:
             return float(p.kv_cache_memory_bytes)
         return (p.gpu_memory_utilization * d.hardware.memory_bytes - d.weight_bytes_per_device
-                - activation_reserve_bytes(d, max_num_batched_tokens, max_num_seqs) - NON_TORCH_BYTES)
+                - vllm_profile_bytes(d, max_num_batched_tokens, max_num_seqs))
 
     rule = ("kv_cache_memory_bytes" if p.kv_cache_memory_bytes
             else f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")

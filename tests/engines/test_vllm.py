@@ -179,6 +179,23 @@ def test_bad_params_are_input_errors():
         VllmParams(max_num_seqs=-1)
 
 
+# vLLM 0.19.0's own startup logs on one to four H100s at gpu_memory_utilization 0.95, max_num_seqs 1024 and 8192
+# batched tokens: "Available KV cache memory" in GiB (llm-d-incubation/llm-d-planner PR #205, accuracy/results/v0.19.0)
+@pytest.mark.parametrize("model, weight_dtype, tp, logged_gib", [
+    ("llama-3.1-8b", "bf16", 1, 58.11), ("llama-3.1-8b", "bf16", 2, 63.76), ("llama-3.1-8b", "bf16", 4, 67.44),
+    ("qwen3-8b", "bf16", 1, 57.50), ("qwen3-8b", "bf16", 4, 67.05),
+    ("qwen3-30b-a3b", "bf16", 1, 15.41), ("qwen3-30b-a3b", "bf16", 4, 56.17),
+    ("llama-3.3-70b", "fp8", 2, 37.28), ("llama-3.3-70b", "fp8", 4, 54.09),
+    ("mixtral-8x7b", "bf16", 2, 28.44), ("mixtral-8x7b", "bf16", 4, 50.43),
+    ("gpt-oss-20b", "mxfp4", 1, 58.47),
+])
+def test_the_kv_pool_is_sized_as_vllm_logs_it(model, weight_dtype, tp, logged_gib):
+    dep = make_dep(model=model, weight_dtype=weight_dtype, tp=tp)
+    eng = VllmEngine(VllmParams(gpu_memory_utilization=0.95), dep)
+    pool_gib = eng.kv_capacity_tokens() * dep.kv_bytes_per_token_per_device / 2**30
+    assert pool_gib == pytest.approx(logged_gib, rel=0.04)   # the profile's sampler peak and non-torch memory
+
+
 def test_model_that_does_not_fit_is_refused_with_numbers():
     with pytest.raises(InputError, match=r"does not fit on h100_sxm.*GiB.*tp=2"):
         VllmEngine(VllmParams(), make_dep(model="llama-3.1-70b"))
