@@ -420,8 +420,9 @@ def test_a_layerwise_prefill_cut_off_by_the_end_of_the_run_is_held_on_both_sides
         res, runner = run_checked(build("sglang", data, 0, {"batch": batch, "tokens": None}))
         check_all(res, runner)
         prefill, decoder = runner.engines
-        assert res.summary["unfinished"] == 1 and prefill.num_running() == 1
-        assert decoder.num_running() + decoder.num_waiting() + len(decoder.loading) == 1
+        cut_off = res.summary["unfinished"]
+        assert cut_off >= 1 and prefill.num_running() == cut_off   # every unfinished request is a prefill under way
+        assert decoder.num_running() + decoder.num_waiting() + len(decoder.loading) == cut_off
 
 
 def test_a_run_cut_off_mid_step_leaves_the_vllm_cohort_s_blocks_in_their_tables():

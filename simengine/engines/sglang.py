@@ -20,7 +20,7 @@ from simengine.core.request import Request, Status
 from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
 from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
-from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
+from simengine.engines.memory import Deployment, kv_tokens_or_refuse
 from simengine.engines.paged import RadixCacheViews
 from simengine.engines.sglang_config import (
     SglangParams,
@@ -28,6 +28,7 @@ from simengine.engines.sglang_config import (
     sglang_decode_graph_sizes,
     sglang_gpu_defaults,
     sglang_host_tier,
+    sglang_kv_bytes,
     sglang_mem_fraction_static,
     sglang_speculation,
 )
@@ -70,9 +71,8 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         if self.adapters is not None:   # the LoRA pool comes out of the KV pool
             dep = self.dep = dataclasses.replace(
                 dep, adapter_weight_bytes_per_device=self.adapters.slot_bytes_per_device(dep.model, dep.attention_tp))
-        tokens = kv_tokens_or_refuse(dep, lambda d: self.mem_fraction * d.hardware.memory_bytes
-                                     - d.weight_bytes_per_device - NON_TORCH_BYTES, engine="sglang",
-                                     rule=f"mem_fraction_static={self.mem_fraction} of total memory")
+        tokens = kv_tokens_or_refuse(dep, lambda d: sglang_kv_bytes(d, self.mem_fraction), engine="sglang",
+                                     rule=f"mem_fraction_static={self.mem_fraction} of the memory free before loading")
         if p.max_total_tokens:
             tokens = min(tokens, p.max_total_tokens)
         context = p.context_length or dep.model.max_model_len
