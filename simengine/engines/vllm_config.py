@@ -32,6 +32,11 @@ SAMPLER_PROFILE_LOGITS_MULTIPLE = 3.8
 #   2.06-2.21 GiB at TP2 and TP4 (same logs; 0.07 GiB with pipeline parallelism alone)
 NON_TORCH_BYTES_TP1 = 0.25 * GIB
 NON_TORCH_BYTES_TP = 2.1 * GIB
+# - the CUDA-graph pool ("Graph capturing finished ... took X GiB", same logs; 1024 sequences, capture sizes up to
+#   512): 0.64-0.96 GiB for 7-8B models of 28-36 layers, 1.41 for Qwen3-30B-A3B (48), 1.51-1.79 for 70-72B (80);
+#   ESTIMATE 0.25 GiB + 20 MiB a layer on the device (gpt-oss-20b's 1.84 GiB at 24 layers is the outlier)
+CUDA_GRAPH_POOL_BYTES = 0.25 * GIB
+CUDA_GRAPH_POOL_BYTES_PER_LAYER = 20 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +62,9 @@ class VllmParams(Checked):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
     max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
     enforce_eager: bool = False                    # disables CUDA graphs
+    # env VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: count the CUDA-graph pool in the KV budget (on from v0.20.0,
+    # PR #38284, which raised gpu_memory_utilization to 0.92 with it; off before, the graphs taking the headroom)
+    memory_profiler_estimate_cudagraphs: bool = True
     async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU and
     # schedules step k+1 before step k's output is applied (v1/core/sched/async_scheduler.py)
     kv_cache_memory_bytes: Annotated[int, Range(1, 2**50)] | None = None  # overrides the gpu_memory_utilization rule
@@ -122,8 +130,11 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
     def kv_bytes_of(d: Deployment) -> float:
         if p.kv_cache_memory_bytes:
             return float(p.kv_cache_memory_bytes)
+        graphs = 0.0
+        if p.memory_profiler_estimate_cudagraphs and not p.enforce_eager:
+            graphs = CUDA_GRAPH_POOL_BYTES + CUDA_GRAPH_POOL_BYTES_PER_LAYER * d.model.num_layers / d.pp
         return (p.gpu_memory_utilization * d.hardware.memory_bytes - d.weight_bytes_per_device
-                - vllm_profile_bytes(d, max_num_batched_tokens, max_num_seqs))
+                - vllm_profile_bytes(d, max_num_batched_tokens, max_num_seqs) - graphs)
 
     rule = ("kv_cache_memory_bytes" if p.kv_cache_memory_bytes
             else f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")

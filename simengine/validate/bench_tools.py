@@ -175,7 +175,7 @@ VERSION_KNOBS = (
     ("vllm", None, (0, 12), {"async_scheduling": False},
      "async scheduling became vLLM's default with PR #27614 (the Q4 2025 roadmap's 'async scheduling on by "
      "default'); the V0 engine never had it"),
-    ("vllm", None, (0, 20), {"gpu_memory_utilization": 0.9},
+    ("vllm", None, (0, 20), {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cudagraphs": False},
      "vLLM PR #38284 (2026-04-21, first in v0.20.0) began counting CUDA-graph memory in the KV budget and raised "
      "the gpu_memory_utilization default from 0.9 to 0.92; earlier releases (V0 and V1 alike) took 0.9 of the "
      "device's memory and captured their graphs in what was left"),

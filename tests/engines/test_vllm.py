@@ -179,8 +179,9 @@ def test_bad_params_are_input_errors():
         VllmParams(max_num_seqs=-1)
 
 
-# vLLM 0.19.0's own startup logs on one to four H100s at gpu_memory_utilization 0.95, max_num_seqs 1024 and 8192
-# batched tokens: "Available KV cache memory" in GiB (llm-d-incubation/llm-d-planner PR #205, accuracy/results/v0.19.0)
+# vLLM 0.19.0's own startup logs on one to four H100s at gpu_memory_utilization 0.95, max_num_seqs 1024, 8192
+# batched tokens and VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0: "Available KV cache memory" in GiB
+# (llm-d-incubation/llm-d-planner PR #205, accuracy/results/v0.19.0)
 @pytest.mark.parametrize("model, weight_dtype, tp, logged_gib", [
     ("llama-3.1-8b", "bf16", 1, 58.11), ("llama-3.1-8b", "bf16", 2, 63.76), ("llama-3.1-8b", "bf16", 4, 67.44),
     ("qwen3-8b", "bf16", 1, 57.50), ("qwen3-8b", "bf16", 4, 67.05),
@@ -191,9 +192,18 @@ def test_bad_params_are_input_errors():
 ])
 def test_the_kv_pool_is_sized_as_vllm_logs_it(model, weight_dtype, tp, logged_gib):
     dep = make_dep(model=model, weight_dtype=weight_dtype, tp=tp)
-    eng = VllmEngine(VllmParams(gpu_memory_utilization=0.95), dep)
+    eng = VllmEngine(VllmParams(gpu_memory_utilization=0.95, memory_profiler_estimate_cudagraphs=False), dep)
     pool_gib = eng.kv_capacity_tokens() * dep.kv_bytes_per_token_per_device / 2**30
     assert pool_gib == pytest.approx(logged_gib, rel=0.04)   # the profile's sampler peak and non-torch memory
+
+
+def test_from_v0_20_the_cuda_graph_pool_comes_out_of_the_kv_budget():
+    dep = make_dep(model="llama-3.1-70b", weight_dtype="fp8", tp=4)
+    gib = [VllmEngine(VllmParams(memory_profiler_estimate_cudagraphs=on), dep).kv_capacity_tokens()
+           * dep.kv_bytes_per_token_per_device / 2**30 for on in (False, True)]
+    assert 1.5 < gib[0] - gib[1] < 1.9   # 80 layers: 1.66 GiB logged at TP4 (vLLM 0.19.0, 'Graph capturing')
+    eager = VllmEngine(VllmParams(enforce_eager=True), dep).kv_capacity_tokens()
+    assert eager * dep.kv_bytes_per_token_per_device / 2**30 == pytest.approx(gib[0], abs=0.01)   # no graphs
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers():

@@ -119,11 +119,14 @@ def test_engine_flags_quoted_in_the_notes_become_params():
     assert "not modelled" not in note                                                   # the client's flags
 
 
+OLD_VLLM_MEMORY = {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cudagraphs": False}
+
+
 @pytest.mark.parametrize("engine, notes, expect", [
     ("vllm", "vLLM v0.6.0 --num-scheduler-steps 10",
-     {"async_scheduling": False, "gpu_memory_utilization": 0.9, "num_scheduler_steps": 10}),
-    ("vllm", "vLLM v0.11.0", {"async_scheduling": False, "gpu_memory_utilization": 0.9}),
-    ("vllm", "vLLM v0.19.1", {"gpu_memory_utilization": 0.9}),   # PR #38284's 0.92 first shipped in v0.20.0
+     {"async_scheduling": False, "num_scheduler_steps": 10, **OLD_VLLM_MEMORY}),
+    ("vllm", "vLLM v0.11.0", {"async_scheduling": False, **OLD_VLLM_MEMORY}),
+    ("vllm", "vLLM v0.19.1", OLD_VLLM_MEMORY),   # PR #38284's CUDA-graph accounting and 0.92 first shipped in v0.20.0
     ("vllm", "vLLM v0.33.0", {}),
     ("sglang", "SGLang v0.3.0 (--disable-radix-cache)",
      {"disable_overlap_schedule": True, "disable_radix_cache": True}),
