@@ -95,6 +95,21 @@ def vllm_v060_post_params(row: Measurement, engine: str) -> dict:
     return params
 
 
+# SGLang's automatic mem_fraction_static before sgl-project/sglang PR #7054 'Simplify the heuristics for setting
+# --mem-fraction-static' (2025-06-10, first in v0.4.7): a ladder on the tensor-parallel size in ServerArgs.__post_init__
+# (0.88 at TP1, 0.87 at 2-3, 0.85 at 4-7, 0.81 at 8-15, 0.79 from 16); from then on it reserves memory by the device
+SGLANG_LADDER_BEFORE = (0, 4, 7)
+SGLANG_LADDER = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
+
+
+def sglang_ladder_params(row: Measurement, engine: str) -> dict:
+    """{mem_fraction_static} a SGLang release before v0.4.7 chose for the row's TP; {} for other rows."""
+    version = engine_version(row, engine)
+    if engine != "sglang" or version is None or version >= SGLANG_LADDER_BEFORE:
+        return {}
+    return {"mem_fraction_static": next(f for tp, f in SGLANG_LADDER if row.tp >= tp)}
+
+
 def lmdeploy_benchmark_params(row: Measurement) -> dict:
     """LmdeployParams of LMDeploy's A100 benchmark page as its scripts configured the model; {} for other rows."""
     if LMDEPLOY_A100_PAGE not in row.source or row.model not in LMDEPLOY_A100_CONFIG:
@@ -266,6 +281,9 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     if engine == "llamacpp" and (built := llamacpp_build_params(row))[0]:
         params.update(built[0])
         why.append(built[1])
+    if ladder := sglang_ladder_params(row, engine):
+        params.update(ladder)
+        why.append(f"SGLang before v0.4.7 chose mem_fraction_static by TP: {ladder} (ServerArgs; PR #7054 replaced it)")
     if harness := vllm_v060_post_params(row, engine):
         params.update(harness)
         why.append(f"the server parameters of the suite vLLM's v0.6.0 post ran {harness} (nightly-tests.json)")

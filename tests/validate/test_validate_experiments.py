@@ -129,7 +129,10 @@ OLD_VLLM_MEMORY = {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cuda
     ("vllm", "vLLM v0.19.1", OLD_VLLM_MEMORY),   # PR #38284's CUDA-graph accounting and 0.92 first shipped in v0.20.0
     ("vllm", "vLLM v0.33.0", {}),
     ("sglang", "SGLang v0.3.0 (--disable-radix-cache)",
-     {"disable_overlap_schedule": True, "disable_radix_cache": True}),
+     {"disable_overlap_schedule": True, "disable_radix_cache": True, "mem_fraction_static": 0.85}),   # TP4
+    ("sglang", "SGLang v0.4.6.post5", {"mem_fraction_static": 0.85}),   # the TP ladder until PR #7054 (v0.4.7)
+    ("sglang", "SGLang v0.5.5.post1", {}),
+    ("sglang", "SGLang v0.3.0 --mem-frac 0.88 --tp 4", {"disable_overlap_schedule": True, "mem_fraction_static": 0.88}),
     ("tgi", "TGI 2.1 (ghcr.io/huggingface/text-generation-inference:2.1)",
      {"prefill_chunking": False, "prefix_caching": False}),
     ("trtllm", "TensorRT-LLM r24.07 (Triton trtllm backend v0.11)", {"disable_overlap_scheduler": True}),
