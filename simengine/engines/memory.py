@@ -12,8 +12,9 @@ from simengine.config.model import ModelSpec
 from simengine.errors import CannotRun
 
 GIB = 2**30
-# Memory CUDA context, NCCL and allocator fragmentation take outside the engine's pools. ESTIMATE: vLLM logs
-# report 0.3-1.5 GiB "non-torch memory" on H100 (vllm/v1/worker/gpu_worker.py determine_available_memory).
+# Memory the CUDA context, NCCL and allocator fragmentation take outside an engine's pools, for the engines whose
+# startup accounting has not been read from their logs (TGI, TensorRT-LLM, LMDeploy, the baselines). ESTIMATE: 0.3-1.5
+# GiB in vLLM's and SGLang's logs on H100 (vLLM and SGLang size their own: vllm_config.py, sglang_config.py).
 NON_TORCH_BYTES = 0.75 * GIB
 MIN_KV_TOKENS = 16   # a deployment whose engine rule leaves KV room for fewer tokens is refused
 
@@ -70,17 +71,20 @@ class Deployment:
 
 
 def forward_activation_bytes(dep: Deployment, tokens: int) -> float:
-    """Peak activation memory of a dummy forward of `tokens` tokens (per device). ESTIMATE: the MLP's gate/up output
-    and activation (3 x intermediate per token, 16-bit) plus hidden-state buffers."""
+    """ESTIMATE of a dummy forward's peak activations per device: MLP gate/up output and activation, hidden states."""
     m = dep.model
     return tokens * 2.0 * (3 * m.intermediate_size / dep.attention_tp + 6 * m.hidden_size)
 
 
+def logits_bytes(dep: Deployment, rows: int) -> float:
+    """fp32 logits over the whole vocabulary for `rows` sequences."""
+    return 4.0 * rows * dep.model.vocab_size
+
+
 def activation_reserve_bytes(dep: Deployment, max_tokens_per_step: int, max_seqs: int) -> float:
-    """Peak activation memory of a profiling forward of `max_tokens_per_step` tokens (per device): the forward's
-    (forward_activation_bytes) and fp32 logits for `max_seqs` rows. ESTIMATE, as engines measure it."""
-    logits = 4.0 * min(max_seqs, max_tokens_per_step) * dep.model.vocab_size / dep.attention_tp
-    return forward_activation_bytes(dep, max_tokens_per_step) + logits
+    """ESTIMATE of a profiling forward's peak per device: its activations and one copy of its rows' logits."""
+    rows = min(max_seqs, max_tokens_per_step)
+    return forward_activation_bytes(dep, max_tokens_per_step) + logits_bytes(dep, rows) / dep.attention_tp
 
 
 def kv_tokens(dep: Deployment, kv_bytes: float) -> int:

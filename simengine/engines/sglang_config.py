@@ -111,17 +111,18 @@ def sglang_decode_graph_sizes(max_bs: int) -> tuple[int, ...]:
 # (model_runner.profile_max_num_token: rest = available after load - total_before_load x (1 - mem_fraction_static)).
 # Startup logs on 80 GB H100s (CUDA total 79.19 GiB): "Load weight begin. avail mem" 78.59-78.81 GiB at TP1
 # (docs.sglang.ai send_request log 2025-01; sgl-project/sglang PR #4760), 77.43 at TP8 (v0.5.2rc2 Grok-2 log: "Init
-# torch distributed ends. mem usage=1.25 GB"); 137.29 of 139.81 on H200 at TP8 (PR #11716).
+# torch distributed ends. mem usage=1.25 GB"); 137.29 of 139.81 on H200 at TP8 (PR #11716). One GPU: the top of the
+# logged 0.38-0.60 GiB; distributed: between H100 TP8's 1.76 and H200 TP8's 2.52. Checked against the K+V sizes the
+# logs print (Llama-3.1-8B on one H100 at 0.88: 54.26 GiB; Qwen3-235B-A22B-FP8 on four at 0.93: 16.46 GiB,
+# vllm-project/vllm issue #21348): tests/engines/test_sglang.py.
 PRE_LOAD_BYTES_ONE_GPU = 0.6 * 2**30
 PRE_LOAD_BYTES_DISTRIBUTED = 2.0 * 2**30
 
 
 def sglang_kv_bytes(dep: Deployment, mem_fraction_static: float) -> float:
-    """KV bytes per device SGLang allocates: mem_fraction_static of the memory free before the weights load, less the
-    weights (the K+V sizes its log prints: Llama-3.1-8B on one H100 at 0.88 54.26 GiB, Qwen3-235B-A22B-FP8 on four
-    at 0.93 16.46 GiB: vllm-project/vllm issue #21348)."""
-    pre_load = PRE_LOAD_BYTES_DISTRIBUTED if dep.tp * dep.pp > 1 else PRE_LOAD_BYTES_ONE_GPU
-    return mem_fraction_static * (dep.hardware.memory_bytes - pre_load) - dep.weight_bytes_per_device
+    """KV bytes per device: mem_fraction_static of the memory free before the weights load, less the weights."""
+    pre_load_bytes = PRE_LOAD_BYTES_DISTRIBUTED if dep.tp * dep.pp > 1 else PRE_LOAD_BYTES_ONE_GPU
+    return mem_fraction_static * (dep.hardware.memory_bytes - pre_load_bytes) - dep.weight_bytes_per_device
 
 
 def sglang_mem_fraction_static(dep: Deployment, chunked_prefill_size: int, max_bs: int) -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from simengine.config.loader import MAX_TOKENS, Checked, MemoryFraction, Range, Sequences, Tokens
-from simengine.engines.memory import Deployment, forward_activation_bytes, kv_tokens_or_refuse
+from simengine.engines.memory import Deployment, forward_activation_bytes, kv_tokens_or_refuse, logits_bytes
 from simengine.engines.speculative import AcceptanceKnobs
 from simengine.errors import InputError
 from simengine.kvcache.host_tier import host_tier
@@ -34,7 +34,10 @@ NON_TORCH_BYTES_TP1 = 0.25 * GIB
 NON_TORCH_BYTES_TP = 2.1 * GIB
 # - the CUDA-graph pool ("Graph capturing finished ... took X GiB", same logs; 1024 sequences, capture sizes up to
 #   512): 0.64-0.96 GiB for 7-8B models of 28-36 layers, 1.41 for Qwen3-30B-A3B (48), 1.51-1.79 for 70-72B (80);
-#   ESTIMATE 0.25 GiB + 20 MiB a layer on the device (gpt-oss-20b's 1.84 GiB at 24 layers is the outlier)
+#   ESTIMATE 0.25 GiB + 20 MiB a layer on the device (gpt-oss-20b's 1.84 GiB at 24 layers is the outlier). From
+#   v0.21.0 vLLM subtracts its own estimate of that pool instead ("Estimated CUDA graph memory: 0.39-0.62 GiB total"
+#   in the logs found, their models unstated; vllm-project/vllm issue #45178 shows it overestimating on B200), so
+#   this may be off either way by a few tenths of a GiB.
 CUDA_GRAPH_POOL_BYTES = 0.25 * GIB
 CUDA_GRAPH_POOL_BYTES_PER_LAYER = 20 * 2**20
 
@@ -55,14 +58,14 @@ class VllmParams(Checked):
 
     max_num_seqs: Sequences | None = None  # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
     max_num_batched_tokens: Tokens | None = None   # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
-    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py; 0.9 before v0.20.0 (PR #38284)
+    gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py; 0.9 before v0.21.0 (PR #38284)
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
     enable_prefix_caching: bool = True             # config/cache.py
     long_prefill_token_threshold: Annotated[int, Range(0, MAX_TOKENS)] = 0  # config/scheduler.py (0 = off)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
     max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
     enforce_eager: bool = False                    # disables CUDA graphs
-    # env VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: count the CUDA-graph pool in the KV budget (on from v0.20.0,
+    # env VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS: count the CUDA-graph pool in the KV budget (on from v0.21.0,
     # PR #38284, which raised gpu_memory_utilization to 0.92 with it; off before, the graphs taking the headroom)
     memory_profiler_estimate_cudagraphs: bool = True
     async_scheduling: bool = True  # None->auto-on in config/vllm.py; overlaps host scheduling with the GPU and
@@ -116,11 +119,11 @@ def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
 
 
 def vllm_profile_bytes(dep: Deployment, max_num_batched_tokens: int, max_num_seqs: int) -> float:
-    """Memory per device vLLM's profile finds besides the weights: the larger of the dummy forward's activations and
-    its dummy sampler's peak, and the non-torch memory it grows (SAMPLER_PROFILE_LOGITS_MULTIPLE, NON_TORCH_BYTES_*)."""
-    logits = 4.0 * min(max_num_seqs, max_num_batched_tokens) * dep.model.vocab_size   # every TP rank samples
-    torch_peak = max(forward_activation_bytes(dep, max_num_batched_tokens), SAMPLER_PROFILE_LOGITS_MULTIPLE * logits)
-    return torch_peak + (NON_TORCH_BYTES_TP if dep.tp > 1 else NON_TORCH_BYTES_TP1)
+    """Bytes per device vLLM's memory profile finds besides the weights: its torch peak and non-torch growth."""
+    sampler_bytes = SAMPLER_PROFILE_LOGITS_MULTIPLE * logits_bytes(dep, min(max_num_seqs, max_num_batched_tokens))
+    # every TP rank samples the whole vocabulary
+    torch_peak_bytes = max(forward_activation_bytes(dep, max_num_batched_tokens), sampler_bytes)
+    return torch_peak_bytes + (NON_TORCH_BYTES_TP if dep.tp > 1 else NON_TORCH_BYTES_TP1)
 
 
 def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, max_num_seqs: int) -> KVCacheManager:
@@ -130,11 +133,11 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
     def kv_bytes_of(d: Deployment) -> float:
         if p.kv_cache_memory_bytes:
             return float(p.kv_cache_memory_bytes)
-        graphs = 0.0
+        graph_pool_bytes = 0.0
         if p.memory_profiler_estimate_cudagraphs and not p.enforce_eager:
-            graphs = CUDA_GRAPH_POOL_BYTES + CUDA_GRAPH_POOL_BYTES_PER_LAYER * d.model.num_layers / d.pp
+            graph_pool_bytes = CUDA_GRAPH_POOL_BYTES + CUDA_GRAPH_POOL_BYTES_PER_LAYER * d.model.num_layers / d.pp
         return (p.gpu_memory_utilization * d.hardware.memory_bytes - d.weight_bytes_per_device
-                - vllm_profile_bytes(d, max_num_batched_tokens, max_num_seqs) - graphs)
+                - vllm_profile_bytes(d, max_num_batched_tokens, max_num_seqs) - graph_pool_bytes)
 
     rule = ("kv_cache_memory_bytes" if p.kv_cache_memory_bytes
             else f"gpu_memory_utilization={p.gpu_memory_utilization} of total memory")

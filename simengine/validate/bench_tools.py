@@ -97,17 +97,25 @@ def vllm_v060_post_params(row: Measurement, engine: str) -> dict:
 
 # SGLang's automatic mem_fraction_static before sgl-project/sglang PR #7054 'Simplify the heuristics for setting
 # --mem-fraction-static' (2025-06-10, first in v0.4.7): a ladder on the tensor-parallel size in ServerArgs.__post_init__
-# (0.88 at TP1, 0.87 at 2-3, 0.85 at 4-7, 0.81 at 8-15, 0.79 from 16); from then on it reserves memory by the device
+# (0.88 at TP1, 0.87 at 2-3, 0.85 at 4-7, 0.81 at 8-15 (0.83 in the 0.3 releases, before DP attention), 0.79 from 16);
+# from then on it reserves memory by the device. The 0.4 releases had a branch of their own for GPUs over 80 GB
+# (PR #5893's 13-18 GB reserve), so those keep the current rule here.
 SGLANG_LADDER_BEFORE = (0, 4, 7)
 SGLANG_LADDER = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
+SGLANG_LADDER_TP8_BEFORE_0_4 = 0.83
+SGLANG_LADDER_MAX_MEMORY_BYTES = 80 * 2**30
 
 
 def sglang_ladder_params(row: Measurement, engine: str) -> dict:
-    """{mem_fraction_static} a SGLang release before v0.4.7 chose for the row's TP; {} for other rows."""
+    """{mem_fraction_static} a SGLang release before v0.4.7 chose for the row's TP on an 80 GB GPU; {} otherwise."""
     version = engine_version(row, engine)
-    if engine != "sglang" or version is None or version >= SGLANG_LADDER_BEFORE:
+    if (engine != "sglang" or version is None or version >= SGLANG_LADDER_BEFORE
+            or load_hardware(row.hardware).memory_bytes > SGLANG_LADDER_MAX_MEMORY_BYTES):
         return {}
-    return {"mem_fraction_static": next(f for tp, f in SGLANG_LADDER if row.tp >= tp)}
+    fraction = next(f for tp, f in SGLANG_LADDER if row.tp >= tp)
+    if version < (0, 4) and 8 <= row.tp < 16:
+        fraction = SGLANG_LADDER_TP8_BEFORE_0_4
+    return {"mem_fraction_static": fraction}
 
 
 def lmdeploy_benchmark_params(row: Measurement) -> dict:
@@ -185,15 +193,17 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
 
 
 # What an engine version ran with that today's defaults change: (engine, versions from, versions below, params,
-# source). A version is (major, minor, patch, final): a pre-release (0.6.0a0, 1.2.0rc1) sorts before its release.
+# source). A version is (major, minor, patch, final): a pre-release (0.6.0a0, 1.2.0rc1) sorts before its release
+# against a four-part bound like (0, 6, 0, 1), and counts as that release against a shorter one like (0, 12).
 VERSION_KNOBS = (
     ("vllm", None, (0, 12), {"async_scheduling": False},
      "async scheduling became vLLM's default with PR #27614 (the Q4 2025 roadmap's 'async scheduling on by "
      "default'); the V0 engine never had it"),
-    ("vllm", None, (0, 20), {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cudagraphs": False},
-     "vLLM PR #38284 (2026-04-21, first in v0.20.0) began counting CUDA-graph memory in the KV budget and raised "
-     "the gpu_memory_utilization default from 0.9 to 0.92; earlier releases (V0 and V1 alike) took 0.9 of the "
-     "device's memory and captured their graphs in what was left"),
+    ("vllm", None, (0, 21), {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cudagraphs": False},
+     "vLLM PR #38284 (2026-04-21) began counting CUDA-graph memory in the KV budget and raised the "
+     "gpu_memory_utilization default from 0.9 to 0.92 ('CUDA graph memory profiling is enabled (default since "
+     "v0.21.0)', its startup log); earlier releases (V0 and V1 alike) took 0.9 of the device's memory and captured "
+     "their graphs in what was left"),
     ("sglang", None, (0, 4), {"disable_overlap_schedule": True},
      "SGLang's overlap ('zero-overhead') scheduler shipped in v0.4 (LMSYS blog 2024-12-04)"),
     ("trtllm", None, (0, 17), {"disable_overlap_scheduler": True},
@@ -281,7 +291,7 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     if engine == "llamacpp" and (built := llamacpp_build_params(row))[0]:
         params.update(built[0])
         why.append(built[1])
-    if ladder := sglang_ladder_params(row, engine):
+    if (ladder := sglang_ladder_params(row, engine)) and "mem_fraction_static" not in quoted_flags(row, engine)[0]:
         params.update(ladder)
         why.append(f"SGLang before v0.4.7 chose mem_fraction_static by TP: {ladder} (ServerArgs; PR #7054 replaced it)")
     if harness := vllm_v060_post_params(row, engine):

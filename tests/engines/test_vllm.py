@@ -194,16 +194,28 @@ def test_the_kv_pool_is_sized_as_vllm_logs_it(model, weight_dtype, tp, logged_gi
     dep = make_dep(model=model, weight_dtype=weight_dtype, tp=tp)
     eng = VllmEngine(VllmParams(gpu_memory_utilization=0.95, memory_profiler_estimate_cudagraphs=False), dep)
     pool_gib = eng.kv_capacity_tokens() * dep.kv_bytes_per_token_per_device / 2**30
-    assert pool_gib == pytest.approx(logged_gib, rel=0.04)   # the profile's sampler peak and non-torch memory
+    assert pool_gib == pytest.approx(logged_gib, rel=0.035)   # the profile's sampler peak and non-torch memory
 
 
-def test_from_v0_20_the_cuda_graph_pool_comes_out_of_the_kv_budget():
+def test_from_v0_21_the_cuda_graph_pool_comes_out_of_the_kv_budget():
     dep = make_dep(model="llama-3.1-70b", weight_dtype="fp8", tp=4)
     gib = [VllmEngine(VllmParams(memory_profiler_estimate_cudagraphs=on), dep).kv_capacity_tokens()
            * dep.kv_bytes_per_token_per_device / 2**30 for on in (False, True)]
     assert 1.5 < gib[0] - gib[1] < 1.9   # 80 layers: 1.66 GiB logged at TP4 (vLLM 0.19.0, 'Graph capturing')
     eager = VllmEngine(VllmParams(enforce_eager=True), dep).kv_capacity_tokens()
     assert eager * dep.kv_bytes_per_token_per_device / 2**30 == pytest.approx(gib[0], abs=0.01)   # no graphs
+
+
+def test_pipeline_stages_split_the_graph_pool_and_grow_no_all_reduce_buffers():
+    def pool_gib(dep, on):
+        eng = VllmEngine(VllmParams(memory_profiler_estimate_cudagraphs=on), dep)
+        return eng.kv_capacity_tokens() * dep.kv_bytes_per_token_per_device / 2**30
+
+    tp2, pp2 = make_dep(model="llama-3.1-70b", weight_dtype="fp8", tp=2), make_dep(model="llama-3.1-70b",
+                                                                               weight_dtype="fp8", pp=2)
+    assert pool_gib(pp2, False) - pool_gib(pp2, True) == pytest.approx(0.25 + 40 * 20 / 1024, abs=0.01)   # 40 layers
+    # TP's 1.85 GiB more of NCCL buffers, less the 0.3 GiB more a whole-width forward holds at PP2
+    assert 1.5 < pool_gib(pp2, False) - pool_gib(tp2, False) < 1.85
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers():

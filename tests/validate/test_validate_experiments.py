@@ -126,12 +126,14 @@ OLD_VLLM_MEMORY = {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cuda
     ("vllm", "vLLM v0.6.0 --num-scheduler-steps 10",
      {"async_scheduling": False, "num_scheduler_steps": 10, **OLD_VLLM_MEMORY}),
     ("vllm", "vLLM v0.11.0", {"async_scheduling": False, **OLD_VLLM_MEMORY}),
-    ("vllm", "vLLM v0.19.1", OLD_VLLM_MEMORY),   # PR #38284's CUDA-graph accounting and 0.92 first shipped in v0.20.0
+    ("vllm", "vLLM v0.20.1", OLD_VLLM_MEMORY),   # PR #38284's CUDA-graph accounting and 0.92 first shipped in v0.21.0
+    ("vllm", "vLLM v0.21.0", {}),
     ("vllm", "vLLM v0.33.0", {}),
     ("sglang", "SGLang v0.3.0 (--disable-radix-cache)",
      {"disable_overlap_schedule": True, "disable_radix_cache": True, "mem_fraction_static": 0.85}),   # TP4
     ("sglang", "SGLang v0.4.6.post5", {"mem_fraction_static": 0.85}),   # the TP ladder until PR #7054 (v0.4.7)
     ("sglang", "SGLang v0.5.5.post1", {}),
+    ("sglang", "SGLang v0.4.7rc1", {}),   # a pre-release of 0.4.7 has PR #7054's rule
     ("sglang", "SGLang v0.3.0 --mem-frac 0.88 --tp 4", {"disable_overlap_schedule": True, "mem_fraction_static": 0.88}),
     ("tgi", "TGI 2.1 (ghcr.io/huggingface/text-generation-inference:2.1)",
      {"prefill_chunking": False, "prefix_caching": False}),
@@ -156,6 +158,18 @@ def test_an_engine_version_runs_with_the_mechanisms_it_had(engine, notes, expect
     assert params == expect
     if expect and engine != "sglang":
         assert "(" in note   # says which version rule applied and its source
+
+
+def test_sglang_s_tp_ladder_follows_its_release_and_leaves_larger_gpus_alone():
+    from simengine.validate.bench_tools import engine_params
+
+    def fraction(notes, **kw):
+        return engine_params(row(engine="sglang", notes=notes, **kw), "sglang")[0].get("mem_fraction_static")
+
+    assert fraction("SGLang v0.3.0", tp=8) == 0.83 and fraction("SGLang v0.4.6", tp=8) == 0.81
+    assert fraction("SGLang v0.4.6", tp=1) == 0.88 and fraction("SGLang v0.4.6", tp=2) == 0.87
+    assert fraction("SGLang v0.4.6", tp=8, hardware="h200_sxm") is None   # the 0.4 releases' own branch over 80 GB
+    assert fraction("SGLang v0.3.0 --mem-fraction-static 0.9", tp=8) == 0.9   # a quoted flag wins
 
 
 @pytest.mark.parametrize("engine, model, expect", [
