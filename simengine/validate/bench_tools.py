@@ -288,10 +288,11 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
     tool = ("trtllm-bench" in row.notes or "perf-overview" in row.notes + row.source) and "triton" not in \
         row.notes.lower()
     params, why = version_params(row, engine)
+    flags, ignored = quoted_flags(row, engine)   # applied last: what the notes quote overrides every default
     if engine == "llamacpp" and (built := llamacpp_build_params(row))[0]:
         params.update(built[0])
         why.append(built[1])
-    if (ladder := sglang_ladder_params(row, engine)) and "mem_fraction_static" not in quoted_flags(row, engine)[0]:
+    if (ladder := sglang_ladder_params(row, engine)) and "mem_fraction_static" not in flags:
         params.update(ladder)
         why.append(f"SGLang before v0.4.7 chose mem_fraction_static by TP: {ladder} (ServerArgs; PR #7054 replaced it)")
     if harness := vllm_v060_post_params(row, engine):
@@ -304,7 +305,6 @@ def engine_params(row: Measurement, engine: str) -> tuple[dict, str]:
         p = trtllm_bench_params(row)
         why.append(f"trtllm-bench settings max_batch_size={p['max_batch_size']} max_num_tokens={p['max_num_tokens']}")
         return {**params, **p}, "; ".join(why)
-    flags, ignored = quoted_flags(row, engine)
     params.update(flags)
     notes = [*why, f"engine flags from the notes: {flags}" if flags else "",
              f"flags not modelled: {' '.join(sorted(set(ignored)))}" if ignored else "",
