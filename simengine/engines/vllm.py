@@ -2,7 +2,9 @@
 
 Running requests first in admission order, then waiting ones into the leftover token budget; decodes and
 prefill chunks share one budget (chunked prefill always on); admission needs blocks for the whole prompt;
-recompute preemption of the last-admitted (or lowest-priority) request; full-block hashed prefix cache.
+recompute preemption of the last-admitted (or lowest-priority) request; full-block hashed prefix cache. With
+`use_v1: false`, V0's (vllm/core/scheduler.py of 0.5-0.7, _schedule_default): unchunked, a step of new prompts alone
+whenever one is admitted, decodes only when none is; no async scheduling; defaults in engines/vllm_config.py.
 
 Simulation speed (not vLLM mechanisms): steady decodes are advanced as one lazy cohort (engines/decode_cohort.py)
 and blocks of a request's own outputs are published at its next allocation (KVCacheManager.defer_output_publish);
@@ -24,21 +26,24 @@ from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
 from simengine.engines.memory import Deployment
 from simengine.engines.multi_step import MultiStepDelivery
-from simengine.engines.paged import PagedEngine
-from simengine.engines.speculative import Speculation, resolve
+from simengine.engines.speculative import Speculation
 from simengine.engines.vllm_config import (
+    V0_WATERMARK,
     VllmParams,
     fp8_weight_only,
     vllm_batch_defaults,
     vllm_capture_sizes,
+    vllm_chunked_prefill,
     vllm_kv_cache,
+    vllm_speculation,
 )
+from simengine.engines.vllm_connectors import VllmConnectors
 from simengine.errors import InputError
-from simengine.kvcache.manager import NO_HIT, PrefixHit
+from simengine.kvcache.manager import NO_HIT
 
 
 @ENGINES.register("vllm")
-class VllmEngine(PagedEngine):
+class VllmEngine(VllmConnectors):
     Params = VllmParams
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
     kernel_backend = "vllm"  # vLLM's own kernels (aiconfigurator-core's vllm tables)
@@ -56,7 +61,11 @@ class VllmEngine(PagedEngine):
 
     def __init__(self, params: VllmParams, dep: Deployment):
         dep = fp8_weight_only(dep)
-        seqs, batched = vllm_batch_defaults(dep)
+        seqs, batched = vllm_batch_defaults(params, dep)
+        self.chunked_prefill = vllm_chunked_prefill(params, dep)
+        # V0 without chunked prefill: steps of new prompts alone, decodes only when none is admitted
+        self.prefill_first = not params.use_v1 and not self.chunked_prefill
+        self.async_scheduling = params.async_scheduling and params.use_v1   # V0 never had it
         self.max_num_seqs = params.max_num_seqs or seqs
         self.max_num_batched_tokens = params.max_num_batched_tokens or batched
         self.step_token_limit, self.batch_size_limit = self.max_num_batched_tokens, self.max_num_seqs
@@ -75,6 +84,7 @@ class VllmEngine(PagedEngine):
         # rollback past rejected drafts) or a host tier (write-through stores a block when it is published)
         self.kv.defer_output_publish = self.defer_output_publish and self.speculation is None and self.kv.host is None
         num_blocks = self.kv.num_blocks
+        self.watermark_blocks = int(V0_WATERMARK * num_blocks) if not p.use_v1 else 0
         self.max_model_len = min(p.max_model_len or dep.model.max_model_len, num_blocks * p.block_size)
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -96,7 +106,7 @@ class VllmEngine(PagedEngine):
         # step k's output is applied, so a request that finishes in step k still sits in `running` with its blocks
         # for one more decision (skipped: its last token is in flight) and is freed after it. Every other decision
         # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
-        self.async_finish = p.async_scheduling
+        self.async_finish = self.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
 
     def exact_mode(self) -> None:
@@ -106,17 +116,7 @@ class VllmEngine(PagedEngine):
 
     @classmethod
     def speculation_of(cls, params: VllmParams, dep: Deployment) -> Speculation | None:
-        c = params.speculative_config
-        if c is None:
-            return None
-        k = c.num_speculative_tokens
-        if k is None:
-            if c.method != "mtp":
-                raise InputError(f"give num_speculative_tokens for method {c.method}",
-                                 field="speculative_config.num_speculative_tokens")
-            k = 1   # the model's num_nextn_predict_layers (DeepSeek-V3: 1)
-        return resolve(c.method, k, c, target=dep.model, at="speculative_config", draft_model=c.model,
-                       lookahead=True)
+        return vllm_speculation(params, dep)
 
     def make_timing(self) -> EngineTiming:
         p = self.params
@@ -125,7 +125,7 @@ class VllmEngine(PagedEngine):
             # moderate batch (vLLM V1 blog, Jan 2025: CPU overheads hidden by async scheduling/busy loop); a
             # multi-step run schedules once for all its steps.
             scheduler_cpu_s=1.0e-3, steps_per_schedule=p.num_scheduler_steps, output_cpu_s=0.5e-3,
-            overlap=p.async_scheduling,
+            overlap=self.async_scheduling,
             seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
             cuda_graph_sizes=() if p.enforce_eager else vllm_capture_sizes(self.max_num_seqs,
                                                                            self.max_num_batched_tokens),
@@ -164,14 +164,18 @@ class VllmEngine(PagedEngine):
         # waiting requests are admitted only if this step preempted nothing.
         out = SchedulerOutput()
         cohort = self.cohort
-        budget = cohort.schedule_running(out) if cohort is not None else None
-        exact = budget is None
-        if budget is None:
-            budget = self._schedule_running(out, now)
-        num_running = len(self.running)
         in_run = self.multi_step_left > 0   # a multi-step run admits nobody until it ends
-        if not out.preempted and not in_run:
-            self._schedule_waiting(out, budget, now)
+        num_running, exact = len(self.running), False
+        if self.prefill_first and not in_run and self.num_waiting():   # V0 _schedule_default: prompts alone
+            self._schedule_waiting(out, self.max_num_batched_tokens, now)
+        if not out.scheduled:
+            budget = cohort.schedule_running(out) if cohort is not None else None
+            exact = budget is None
+            if budget is None:
+                budget = self._schedule_running(out, now)
+            num_running = len(self.running)
+            if not out.preempted and not in_run and not self.prefill_first:
+                self._schedule_waiting(out, budget, now)
         if cohort is not None:  # the admitted join the others at the end of the running order (all of it if exact)
             cohort.order(self.running if exact else self.running[num_running:], fresh=exact)
         out.shape = self.make_shape(out.scheduled, out.num_lazy)
@@ -343,10 +347,13 @@ class VllmEngine(PagedEngine):
                         break
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+            if not self.chunked_prefill and num_new > budget:
+                break   # a prompt is admitted whole or not at all
             n = self._cap(num_new, budget, self._alone())
             # scheduler_reserve_full_isl: blocks for the whole current sequence must be free at admission (a check:
             # only this step's tokens get blocks; max_model_len is capped to the pool, so an empty engine admits)
-            if not self.kv.allocate_slots(req, n, hit, fits_tokens=req.num_tokens):
+            if not self.kv.allocate_slots(req, n, hit, fits_tokens=req.num_tokens,
+                                          watermark_blocks=self.watermark_blocks):
                 break  # strict FCFS: head-of-line blocking, no preemption for waiting requests
             self._pop_waiting()
             req.num_computed_tokens += hit.num_tokens
@@ -358,43 +365,3 @@ class VllmEngine(PagedEngine):
             budget -= n
         for req in reversed(skipped):
             self._push_waiting(req, front=True)
-
-    # ---- P/D disaggregation, decode side (vLLM's KV connector, e.g. NixlConnector) ------------------------------
-    def _reserve_remote(self, req: Request, hit: PrefixHit, out: SchedulerOutput) -> bool:
-        """A request whose prompt was computed on a prefill replica: blocks for the whole prompt now (the local prefix
-        hit and the rest), no tokens this step; the rest loads asynchronously (WAITING_FOR_REMOTE_KVS) and its blocks
-        reach the prefix cache when it has arrived (vllm/v1/core/sched/scheduler.py schedule(): load_kv_async,
-        allocate_slots(delay_cache_blocks=True); the connector's get_num_new_matched_tokens counts the prompt past the
-        local hit). False, changing nothing, when the blocks are not free (head-of-line blocking, as any admission)."""
-        if not self.kv.allocate_slots(req, 0, hit, reserve_tokens=req.num_tokens):
-            return False
-        self._pop_waiting()
-        req.num_computed_tokens = hit.num_tokens
-        self.reserved_for_remote(req, req.num_tokens - hit.num_tokens, out)
-        return True
-
-    def remote_kv_arrived(self, req: Request, now: float) -> None:
-        """Its KV is in its blocks: the loaded tokens count as computed (when the whole prompt arrived, every token but
-        the last: it is recomputed for the first token's logits), and the request waits at the head of the queue
-        (scheduler.py _update_waiting_for_remote_kv: num_computed_tokens -= 1 when the whole prompt arrived,
-        cache_blocks)."""
-        del self.loading[req.request_id]
-        req.num_computed_tokens = min(req.num_computed_tokens + req.remote_kv_tokens, req.num_tokens - 1)
-        req.remote_kv_tokens = 0
-        self.kv.publish_through(req, req.num_computed_tokens)
-        self._push_waiting(req, front=True)
-
-    # ---- KV offload to host memory (kv_offloading_size: the OffloadingConnector's CPU tier) ----------------------
-    def _load_from_host(self, req: Request, hit: PrefixHit, host_tokens: int, disk_tokens: int,
-                        out: SchedulerOutput) -> bool:
-        """A new request whose prompt continues past the GPU hit in the CPU tier: blocks for the hit and the loaded
-        tokens now, the load asynchronous (the connector's get_num_new_matched_tokens, load_kv_async; the request
-        waits in WAITING_FOR_REMOTE_KVS while others run); the whole prompt must fit, as any admission. False,
-        changing nothing, when the blocks are not free."""
-        if not self.kv.allocate_slots(req, 0, hit, reserve_tokens=hit.num_tokens + host_tokens,
-                                      fits_tokens=req.num_tokens):
-            return False
-        self._pop_waiting()
-        self.kv.take_from_host(host_tokens, disk_tokens)
-        self.load_from_host(req, hit.num_tokens, host_tokens, out, disk_tokens)
-        return True

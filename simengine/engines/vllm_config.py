@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from simengine.config.loader import MAX_TOKENS, Checked, MemoryFraction, Range, Sequences, Tokens
 from simengine.engines.memory import Deployment, forward_activation_bytes, kv_tokens_or_refuse, logits_bytes
-from simengine.engines.speculative import AcceptanceKnobs
+from simengine.engines.speculative import AcceptanceKnobs, Speculation, resolve
 from simengine.errors import InputError
 from simengine.kvcache.host_tier import host_tier
 from simengine.kvcache.manager import KVCacheManager
@@ -56,11 +56,24 @@ class VllmSpeculativeConfig(AcceptanceKnobs):
 class VllmParams(Checked):
     """vLLM engine arguments (CLI flag names with dashes as underscores). Defaults from vLLM 0.33.0."""
 
-    max_num_seqs: Sequences | None = None  # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults)
-    max_num_batched_tokens: Tokens | None = None   # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same)
+    # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults); V0: 256 (EngineArgs.max_num_seqs)
+    max_num_seqs: Sequences | None = None
+    # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same); without chunked prefill max(max_model_len,
+    # 2048) (SchedulerConfig: "if max_model_len is too short, use the default for higher throughput"); V0 chunking 512
+    # (vllm/config.py SchedulerConfig of 0.5-0.6: "the best balance between ITL and TTFT on A100")
+    max_num_batched_tokens: Tokens | None = None
+    # None: V1 always chunks prompts; V0 chunked only past a 32K max_model_len ("Chunked prefill is enabled by
+    # default for models with max_model_len > 32K", engine/arg_utils.py of 0.5-0.7) and, ESTIMATE, not with multi-step
+    # (num_scheduler_steps > 1 took chunked prefill only from v0.6.2). Off: a prompt is admitted whole or not at all
+    enable_chunked_prefill: bool | None = None
+    # env VLLM_USE_V1 (V1 the default from v0.8.0, V0 removed in 0.10). V0 without chunked prefill
+    # (core/scheduler.py _schedule_default) runs a step of new prompts alone whenever any is admitted, decodes only
+    # when none is, and admits a prompt only with 1 % of the blocks left free (BlockSpaceManager watermark 0.01); it
+    # had no async scheduling (async_scheduling is ignored)
+    use_v1: bool = True
     gpu_memory_utilization: MemoryFraction = 0.92  # config/cache.py; 0.9 before v0.21.0 (PR #38284)
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = 16  # CacheConfig.DEFAULT_BLOCK_SIZE (config/cache.py BlockSize)
-    enable_prefix_caching: bool = True             # config/cache.py
+    enable_prefix_caching: bool | None = None      # None: on in V1 (config/cache.py), off in V0 (EngineArgs)
     long_prefill_token_threshold: Annotated[int, Range(0, MAX_TOKENS)] = 0  # config/scheduler.py (0 = off)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # config/scheduler.py `policy`
     max_model_len: Tokens | None = None  # None: the model's max_position_embeddings, capped to fit the KV pool
@@ -99,8 +112,34 @@ class VllmParams(Checked):
     max_cpu_loras: Annotated[int, Range(1, 1 << 20)] | None = None
 
 
-def vllm_batch_defaults(dep: Deployment) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server picks for this device."""
+V0_MAX_NUM_SEQS = 256
+V0_WATERMARK = 0.01   # core/block_manager.py (V0): can_allocate leaves this share of the blocks free
+V0_CHUNKED_BATCHED_TOKENS = 512
+V0_CHUNKED_PREFILL_ABOVE_MODEL_LEN = 32768
+UNCHUNKED_MIN_BATCHED_TOKENS = 2048
+
+
+def vllm_chunked_prefill(p: VllmParams, dep: Deployment) -> bool:
+    """Whether prompts are chunked: the flag, else always in V1 and past a 32K context (single-step) in V0."""
+    if p.enable_chunked_prefill is not None:
+        return p.enable_chunked_prefill
+    return p.use_v1 or ((p.max_model_len or dep.model.max_model_len) > V0_CHUNKED_PREFILL_ABOVE_MODEL_LEN
+                        and p.num_scheduler_steps == 1)
+
+
+def vllm_batch_defaults(p: VllmParams, dep: Deployment) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server picks for this device, engine and chunking."""
+    chunked = vllm_chunked_prefill(p, dep)
+    if not chunked:
+        tokens = max(p.max_model_len or dep.model.max_model_len, UNCHUNKED_MIN_BATCHED_TOKENS)
+        return (V0_MAX_NUM_SEQS if not p.use_v1 else _device_batch_defaults(dep)[0]), tokens
+    if not p.use_v1:
+        return V0_MAX_NUM_SEQS, V0_CHUNKED_BATCHED_TOKENS
+    return _device_batch_defaults(dep)
+
+
+def _device_batch_defaults(dep: Deployment) -> tuple[int, int]:
+    """V1's (max_num_seqs, max_num_batched_tokens) by the device's memory."""
     mem_gib = dep.hardware.memory_bytes / GIB
     is_a100 = dep.hardware.name.startswith("a100")
     if mem_gib >= 160:
@@ -151,12 +190,13 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
         raise InputError(f"max_model_len {p.max_model_len} exceeds {dep.model.name}'s context of "
                          f"{dep.model.max_model_len} tokens (vLLM refuses it without "
                          f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
-    kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=p.enable_prefix_caching)
+    caching = p.use_v1 if p.enable_prefix_caching is None else p.enable_prefix_caching
+    kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=caching)
     if p.kv_offloading_size:
         # native: cpu_bytes_to_use, the whole size over the TP x PP ranks, every computed block stored;
         # lmcache: max_local_cpu_size = size / (TP x PP) per worker, prompt blocks only (save_decode_cache off)
         kv.attach_host(host_tier(dep, p.kv_offloading_size * GIB / dep.num_devices, p.block_size,
-                                 write_through=True, field="kv_offloading_size", caching=p.enable_prefix_caching,
+                                 write_through=True, field="kv_offloading_size", caching=caching,
                                  prompt_only=p.kv_offloading_backend == "lmcache"))
     if p.lmcache_max_local_disk_size:
         if p.kv_offloading_backend != "lmcache" or kv.host is None:
@@ -165,6 +205,20 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
         kv.host.spill = host_tier(dep, p.lmcache_max_local_disk_size * GIB, p.block_size,
                                   write_through=False, field="lmcache_max_local_disk_size")
     return kv
+
+
+def vllm_speculation(params: VllmParams, dep: Deployment) -> Speculation | None:
+    """The speculative decoding --speculative-config asks for (engines/speculative.py), or None."""
+    c = params.speculative_config
+    if c is None:
+        return None
+    k = c.num_speculative_tokens
+    if k is None:
+        if c.method != "mtp":
+            raise InputError(f"give num_speculative_tokens for method {c.method}",
+                             field="speculative_config.num_speculative_tokens")
+        k = 1   # the model's num_nextn_predict_layers (DeepSeek-V3: 1)
+    return resolve(c.method, k, c, target=dep.model, at="speculative_config", draft_model=c.model, lookahead=True)
 
 
 def fp8_weight_only(dep: Deployment) -> Deployment:

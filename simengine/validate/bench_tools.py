@@ -196,6 +196,9 @@ def quoted_flags(row: Measurement, engine: str) -> tuple[dict, list[str]]:
 # source). A version is (major, minor, patch, final): a pre-release (0.6.0a0, 1.2.0rc1) sorts before its release
 # against a four-part bound like (0, 6, 0, 1), and counts as that release against a shorter one like (0, 12).
 VERSION_KNOBS = (
+    ("vllm", None, (0, 8), {"use_v1": False},
+     "the V1 engine became vLLM's default in v0.8.0 (its release notes); V0 scheduled, batched and cached by its own "
+     "rules (engines/vllm_config.py use_v1)"),
     ("vllm", None, (0, 12), {"async_scheduling": False},
      "async scheduling became vLLM's default with PR #27614 (the Q4 2025 roadmap's 'async scheduling on by "
      "default'); the V0 engine never had it"),

@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simengine.core.request import Status
-from simengine.engines.vllm import VllmEngine, VllmParams, vllm_batch_defaults, vllm_capture_sizes
+from simengine.engines.vllm import (
+    VllmEngine,
+    VllmParams,
+    vllm_batch_defaults,
+    vllm_capture_sizes,
+    vllm_chunked_prefill,
+)
 from simengine.errors import InputError
 from simengine.kvcache.hashing import block_hashes
 from tests.conftest import make_dep, make_request
@@ -18,9 +24,10 @@ def engine(**params) -> VllmEngine:
 
 
 def test_defaults_follow_device():
-    assert vllm_batch_defaults(make_dep("h100_sxm")) == (1024, 8192)
-    assert vllm_batch_defaults(make_dep("a100_80g_sxm")) == (256, 2048)
-    assert vllm_batch_defaults(make_dep("b200")) == (1024, 16384)
+    v1 = VllmParams()
+    assert vllm_batch_defaults(v1, make_dep("h100_sxm")) == (1024, 8192)
+    assert vllm_batch_defaults(v1, make_dep("a100_80g_sxm")) == (256, 2048)
+    assert vllm_batch_defaults(v1, make_dep("b200")) == (1024, 16384)
     assert vllm_capture_sizes(1024, 8192)[:5] == (1, 2, 4, 8, 16) and max(vllm_capture_sizes(1024, 8192)) == 512
 
 
@@ -422,3 +429,84 @@ def test_fp8_checkpoints_run_weight_only_on_a_device_without_fp8_tensor_cores():
     for engine in ("sglang", "trtllm"):
         with pytest.raises(Refused, match="fp8 tensor cores"):
             built(engine, "fp8")
+
+
+# ---- V0 (use_v1: false, the engine of vLLM before 0.8) ---------------------------------------------------------------
+def test_v0_defaults_and_when_it_chunks():
+    dep = make_dep("h100_sxm")
+    v0 = VllmParams(use_v1=False)
+    long_context = dep.model.max_model_len > 32768
+    # V0 chunks prompts only past a 32K context and not with multi-step; unchunked, the budget holds a whole context
+    assert vllm_chunked_prefill(v0, dep) is long_context
+    assert vllm_chunked_prefill(VllmParams(use_v1=False, num_scheduler_steps=8), dep) is False
+    assert vllm_chunked_prefill(VllmParams(use_v1=False, max_model_len=4096), dep) is False
+    assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=4096), dep) == (256, 4096)
+    assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=1000), dep) == (256, 2048)
+    assert vllm_batch_defaults(VllmParams(use_v1=False, enable_chunked_prefill=True), dep) == (256, 512)
+    # V1 without chunking keeps the device's sequence cap and takes a whole context per step
+    assert vllm_batch_defaults(VllmParams(enable_chunked_prefill=False, max_model_len=4096), dep) == (1024, 4096)
+    assert VllmEngine(v0, dep).kv.enable_prefix_caching is False
+    assert VllmEngine(VllmParams(), dep).kv.enable_prefix_caching is True
+
+
+def test_v0_runs_new_prompts_in_steps_of_their_own():
+    eng = engine(use_v1=False, max_model_len=2048)
+    a = make_request(50, 10)
+    eng.add_request(a, 0.0)
+    run_step(eng)                          # a prefills and samples its first token
+    b = make_request(400, 5)
+    eng.add_request(b, 0.01)
+    out, _ = run_step(eng, 0.02)
+    assert out.scheduled == [(b, 400)]     # the new prompt alone, whole: a's decode waits
+    assert out.shape.num_decode == 0
+    out, _ = run_step(eng, 0.03)
+    assert {r for r, _ in out.scheduled} == {a, b} and out.shape.num_decode == 2
+
+
+def test_unchunked_prompt_waits_for_a_budget_that_holds_it_whole():
+    for use_v1 in (True, False):
+        eng = engine(use_v1=use_v1, enable_chunked_prefill=False, max_num_batched_tokens=512)
+        a, b = make_request(300, 5), make_request(300, 5)
+        eng.add_request(a, 0.0)
+        eng.add_request(b, 0.0)
+        out, _ = run_step(eng)
+        assert out.scheduled == [(a, 300)]  # b does not fit the 212 tokens left and is not cut
+        out, _ = run_step(eng, 0.01)
+        assert (b, 300) in out.scheduled and ((a, 1) in out.scheduled) is use_v1   # V1 mixes, V0 does not
+
+
+def test_v0_admission_leaves_the_watermark_free():
+    eng = engine(use_v1=False, max_model_len=4096, kv_cache_memory_bytes=200 * 16 * 131072)  # 200 blocks
+    assert eng.kv.num_blocks == 200 and eng.watermark_blocks == 2
+    a, b = make_request(16 * 190, 2), make_request(16 * 9, 2)   # 190 blocks, then 9 of the 10 left
+    for r in (a, b):
+        eng.add_request(r, 0.0)
+    run_step(eng)
+    assert eng.num_waiting() == 1          # 10 free - 9 needed < the 2-block watermark: b waits
+    v1 = engine(max_model_len=4096, max_num_batched_tokens=4096, kv_cache_memory_bytes=200 * 16 * 131072)
+    for r in (make_request(16 * 190, 2), make_request(16 * 9, 2)):
+        v1.add_request(r, 0.0)
+    run_step(v1)
+    assert v1.num_waiting() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(1, 40), st.floats(0, 0.5)), min_size=1, max_size=25),
+       st.integers(8, 64), st.sampled_from([1, 4]))
+def test_v0_steps_are_prompts_alone_or_decodes_alone(specs, blocks_k, steps):
+    """No request lost (drive); no step mixes prompts with decodes; no prompt is cut; budgets never exceeded."""
+    eng = engine(use_v1=False, max_model_len=1024, num_scheduler_steps=steps,
+                 kv_cache_memory_bytes=blocks_k * 16 * 16 * 131072)
+    schedule = eng.schedule
+
+    def checked(now):
+        waiting = {r.request_id: r.num_tokens - r.num_computed_tokens for r in eng.waiting}
+        out = schedule(now)
+        prompts = [(r, n) for r, n in out.scheduled if r.request_id in waiting]
+        assert not prompts or len(prompts) == len(out.scheduled)
+        assert all(n == waiting[r.request_id] for r, n in prompts)
+        assert out.num_tokens <= eng.max_num_batched_tokens
+        return out
+
+    eng.schedule = checked
+    drive(eng, [make_request(p, o, arrival_s=t) for p, o, t in specs])

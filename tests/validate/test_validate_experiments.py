@@ -124,7 +124,9 @@ OLD_VLLM_MEMORY = {"gpu_memory_utilization": 0.9, "memory_profiler_estimate_cuda
 
 @pytest.mark.parametrize("engine, notes, expect", [
     ("vllm", "vLLM v0.6.0 --num-scheduler-steps 10",
-     {"async_scheduling": False, "num_scheduler_steps": 10, **OLD_VLLM_MEMORY}),
+     {"use_v1": False, "async_scheduling": False, "num_scheduler_steps": 10, **OLD_VLLM_MEMORY}),
+    ("vllm", "vLLM v0.7.3", {"use_v1": False, "async_scheduling": False, **OLD_VLLM_MEMORY}),
+    ("vllm", "vLLM v0.8.0", {"async_scheduling": False, **OLD_VLLM_MEMORY}),   # V1 the default from v0.8.0
     ("vllm", "vLLM v0.11.0", {"async_scheduling": False, **OLD_VLLM_MEMORY}),
     ("vllm", "vLLM v0.20.1", OLD_VLLM_MEMORY),   # PR #38284's CUDA-graph accounting and 0.92 first shipped in v0.21.0
     ("vllm", "vLLM v0.21.0", {}),
