@@ -44,14 +44,18 @@ def test_token_budget_chunks_a_long_prompt():
     assert req.num_output_tokens == 1 and req.first_token_s > 0
 
 
-def test_running_decodes_are_scheduled_before_new_prefills():
-    eng = engine(max_num_batched_tokens=100)
+def decode_meets_new_prompt(eng: VllmEngine):
+    """a decodes when b (400 tokens) arrives: (a, b, the step that follows)."""
     a = make_request(50, 10)
     eng.add_request(a, 0.0)
     run_step(eng)  # a prefills and samples its first token
     b = make_request(400, 5)
     eng.add_request(b, 0.01)
-    out, _ = run_step(eng, 0.02)
+    return a, b, run_step(eng, 0.02)[0]
+
+
+def test_running_decodes_are_scheduled_before_new_prefills():
+    a, b, out = decode_meets_new_prompt(engine(max_num_batched_tokens=100))
     assert out.scheduled[0] == (a, 1)      # the decode first
     assert out.scheduled[1] == (b, 99)     # then the new prompt's chunk fills the budget
     assert out.shape.num_decode == 1 and out.shape.prefill_chunks == [(99, 0)]
@@ -451,12 +455,7 @@ def test_v0_defaults_and_when_it_chunks():
 
 def test_v0_runs_new_prompts_in_steps_of_their_own():
     eng = engine(use_v1=False, max_model_len=2048)
-    a = make_request(50, 10)
-    eng.add_request(a, 0.0)
-    run_step(eng)                          # a prefills and samples its first token
-    b = make_request(400, 5)
-    eng.add_request(b, 0.01)
-    out, _ = run_step(eng, 0.02)
+    a, b, out = decode_meets_new_prompt(eng)
     assert out.scheduled == [(b, 400)]     # the new prompt alone, whole: a's decode waits
     assert out.shape.num_decode == 0
     out, _ = run_step(eng, 0.03)
