@@ -129,13 +129,10 @@ def vllm_chunked_prefill(p: VllmParams, dep: Deployment) -> bool:
 
 def vllm_batch_defaults(p: VllmParams, dep: Deployment) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server picks for this device, engine and chunking."""
-    chunked = vllm_chunked_prefill(p, dep)
-    if not chunked:
+    seqs, tokens = _device_batch_defaults(dep) if p.use_v1 else (V0_MAX_NUM_SEQS, V0_CHUNKED_BATCHED_TOKENS)
+    if not vllm_chunked_prefill(p, dep):
         tokens = max(p.max_model_len or dep.model.max_model_len, UNCHUNKED_MIN_BATCHED_TOKENS)
-        return (V0_MAX_NUM_SEQS if not p.use_v1 else _device_batch_defaults(dep)[0]), tokens
-    if not p.use_v1:
-        return V0_MAX_NUM_SEQS, V0_CHUNKED_BATCHED_TOKENS
-    return _device_batch_defaults(dep)
+    return seqs, tokens
 
 
 def _device_batch_defaults(dep: Deployment) -> tuple[int, int]:
@@ -190,6 +187,9 @@ def vllm_kv_cache(p: VllmParams, dep: Deployment, max_num_batched_tokens: int, m
         raise InputError(f"max_model_len {p.max_model_len} exceeds {dep.model.name}'s context of "
                          f"{dep.model.max_model_len} tokens (vLLM refuses it without "
                          f"VLLM_ALLOW_LONG_MAX_MODEL_LEN); use <= {dep.model.max_model_len}", field="max_model_len")
+    if p.kv_offloading_size and not p.use_v1:
+        raise InputError("KV offload (the OffloadingConnector, vLLM 0.11.1 on) needs the V1 engine: set use_v1: true "
+                         "or drop kv_offloading_size", field="kv_offloading_size")
     caching = p.use_v1 if p.enable_prefix_caching is None else p.enable_prefix_caching
     kv = KVCacheManager(num_blocks, p.block_size, enable_prefix_caching=caching)
     if p.kv_offloading_size:

@@ -509,3 +509,9 @@ def test_v0_steps_are_prompts_alone_or_decodes_alone(specs, blocks_k, steps):
 
     eng.schedule = checked
     drive(eng, [make_request(p, o, arrival_s=t) for p, o, t in specs])
+
+
+def test_v0_refuses_kv_offload():
+    with pytest.raises(InputError, match="use_v1") as err:
+        engine(use_v1=False, kv_offloading_size=8.0)
+    assert err.value.field == "kv_offloading_size"
