@@ -59,8 +59,8 @@ class VllmParams(Checked):
     # None: 1024 on >=70 GB non-A100, else 256 (arg_utils get_batch_defaults); V0: 256 (EngineArgs.max_num_seqs)
     max_num_seqs: Sequences | None = None
     # None: 16384 on >=160 GB, 8192 on >=70 GB non-A100, else 2048 (same); without chunked prefill max(max_model_len,
-    # 2048) (SchedulerConfig: "if max_model_len is too short, use the default for higher throughput"); V0 chunking 512
-    # (vllm/config.py SchedulerConfig of 0.5-0.6: "the best balance between ITL and TTFT on A100")
+    # 2048) (SchedulerConfig: "if max_model_len is too short, use the default for higher throughput"); V0 chunking
+    # 2048 (vllm/config.py SchedulerConfig of 0.6-0.7: "chosen to have a balance between ITL and TTFT"; 512 in 0.5)
     max_num_batched_tokens: Tokens | None = None
     # None: V1 always chunks prompts; V0 chunked only past a 32K max_model_len ("Chunked prefill is enabled by
     # default for models with max_model_len > 32K", engine/arg_utils.py of 0.5-0.7) and, ESTIMATE, not with multi-step
@@ -114,7 +114,7 @@ class VllmParams(Checked):
 
 V0_MAX_NUM_SEQS = 256
 V0_WATERMARK = 0.01   # core/block_manager.py (V0): can_allocate leaves this share of the blocks free
-V0_CHUNKED_BATCHED_TOKENS = 512
+V0_CHUNKED_BATCHED_TOKENS = 2048
 V0_CHUNKED_PREFILL_ABOVE_MODEL_LEN = 32768
 UNCHUNKED_MIN_BATCHED_TOKENS = 2048
 

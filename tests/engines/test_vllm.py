@@ -446,7 +446,7 @@ def test_v0_defaults_and_when_it_chunks():
     assert vllm_chunked_prefill(VllmParams(use_v1=False, max_model_len=4096), dep) is False
     assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=4096), dep) == (256, 4096)
     assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=1000), dep) == (256, 2048)
-    assert vllm_batch_defaults(VllmParams(use_v1=False, enable_chunked_prefill=True), dep) == (256, 512)
+    assert vllm_batch_defaults(VllmParams(use_v1=False, enable_chunked_prefill=True), dep) == (256, 2048)
     # V1 without chunking keeps the device's sequence cap and takes a whole context per step
     assert vllm_batch_defaults(VllmParams(enable_chunked_prefill=False, max_model_len=4096), dep) == (1024, 4096)
     assert VllmEngine(v0, dep).kv.enable_prefix_caching is False
