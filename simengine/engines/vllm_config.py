@@ -63,8 +63,9 @@ class VllmParams(Checked):
     # 2048 (vllm/config.py SchedulerConfig of 0.6-0.7: "chosen to have a balance between ITL and TTFT"; 512 in 0.5)
     max_num_batched_tokens: Tokens | None = None
     # None: V1 always chunks prompts; V0 chunked only past a 32K max_model_len ("Chunked prefill is enabled by
-    # default for models with max_model_len > 32K", engine/arg_utils.py of 0.5-0.7) and, ESTIMATE, not with multi-step
-    # (num_scheduler_steps > 1 took chunked prefill only from v0.6.2). Off: a prompt is admitted whole or not at all
+    # default for models with max_model_len > 32K", engine/arg_utils.py of 0.5-0.7) and not with multi-step (0.6.0
+    # refused it: "Chunked prefill is not supported with multi-step", vllm-project/vllm issue #8274; PR #8378 then ran
+    # prompts inside multi-step runs "so decodes will not have to be interrupted by prefills"). Off: whole prompts only
     enable_chunked_prefill: bool | None = None
     # env VLLM_USE_V1 (V1 the default from v0.8.0, V0 removed in 0.10). V0 without chunked prefill
     # (core/scheduler.py _schedule_default) runs a step of new prompts alone whenever any is admitted, decodes only
