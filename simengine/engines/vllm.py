@@ -106,7 +106,6 @@ class VllmEngine(VllmConnectors):
         # step k's output is applied, so a request that finishes in step k still sits in `running` with its blocks
         # for one more decision (skipped: its last token is in flight) and is freed after it. Every other decision
         # is the synchronous one: computed tokens advance at scheduling and decodes hold an output placeholder.
-        self.async_finish = self.async_scheduling
         self.finishing: list[Request] = []  # finished in the last update, released at the end of the next schedule
 
     def exact_mode(self) -> None:
@@ -193,7 +192,7 @@ class VllmEngine(VllmConnectors):
         return out
 
     def on_finished(self, finished: list[Request], now: float) -> None:
-        if self.async_finish:
+        if self.async_scheduling:
             self.finishing += finished
         else:
             super().on_finished(finished, now)
@@ -314,7 +313,7 @@ class VllmEngine(VllmConnectors):
             self.kv.publish_through(req, req.num_computed_tokens + scheduled)
         self.running.remove(req)
         cached = None
-        if self.async_finish and req.last_token_s == self.last_step_end_s and req.num_output_tokens >= 2 and \
+        if self.async_scheduling and req.last_token_s == self.last_step_end_s and req.num_output_tokens >= 2 and \
                 (req, 1) in self.last_out.scheduled:
             # a decode in the last step (its input the token the step before sampled): vLLM caches blocks through
             # the tokens whose output was applied, so the block that decode filled is not in the prefix cache yet
