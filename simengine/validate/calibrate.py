@@ -49,6 +49,7 @@ class FitResult:
     hw_group: dict[str, str]          # device -> group (fitted devices only)
     predicted: np.ndarray             # per row of `preds`
     preds: list[Prediction]
+    unseen: frozenset[str] = frozenset()   # Param.keys no row's prediction responds to (they keep their priors)
 
     def errors_pct(self) -> np.ndarray:
         return 100.0 * (self.predicted / np.array([p.row.value for p in self.preds]) - 1.0)
@@ -157,13 +158,36 @@ def fit(preds: list[Prediction], hw_group: dict[str, str]) -> FitResult:
     else:
         x = np.zeros(0)
     values = {p.key: float(v) for p, v in zip(params, x * scale, strict=True)}
-    return FitResult(params, values, hw_group, data.predict(params, x * scale), preds)
+    predicted = data.predict(params, x * scale)
+    return FitResult(params, values, hw_group, predicted, preds, unseen_terms(data, params, x * scale, predicted))
+
+
+UNSEEN_STEP = 0.25   # a term moved by this fraction either way that changes no row's prediction is one no row sees
+
+
+def unseen_terms(data: FitData, params: list[Param], values: np.ndarray, predicted: np.ndarray) -> frozenset[str]:
+    """The terms no row responds to at the fitted values: a term moved by UNSEEN_STEP either way leaves every
+    prediction as it was. An eager step lasts max(GPU time, launches), so a launch term below every step's GPU
+    time is one: the solver leaves it at its prior, and it must not be reported or written as fitted."""
+    out = set()
+    for i, p in enumerate(params):
+        if not values[i]:
+            continue
+        for f in (1.0 - UNSEEN_STEP, 1.0 + UNSEEN_STEP):
+            trial = values.copy()
+            trial[i] = values[i] * f
+            if not np.array_equal(data.predict(params, trial), predicted):
+                break
+        else:
+            out.add(p.key)
+    return frozenset(out)
 
 
 def engine_terms_of(res: FitResult) -> dict[str, dict[str, float]]:
+    """The fitted engine terms, less those no row sees (the engine keeps its module's prior for them)."""
     out: dict[str, dict[str, float]] = defaultdict(dict)
     for p in res.params:
-        if not p.is_device:
+        if not p.is_device and p.key not in res.unseen:
             out[p.group][p.name] = res.values[p.key]
     return dict(out)
 
@@ -199,7 +223,8 @@ def format_fit(full: FitResult, loho: list[dict] | None, n_total: int) -> str:
     lines = [f"calibration rows used: {len(full.preds)} of {n_total} (others: skipped, not step-time metrics, "
              "or SUSPECT)", "", f"{'term':52s} {'prior':>10s} {'fitted':>10s}"]
     for p in full.params:
-        lines.append(f"{p.key:52s} {p.prior:10.4g} {full.values[p.key]:10.4g}")
+        note = "  no row sees it: its prior stays" if p.key in full.unseen else ""
+        lines.append(f"{p.key:52s} {p.prior:10.4g} {full.values[p.key]:10.4g}{note}")
     fitted_engines = {p.group for p in full.params if not p.is_device}
     if fitted_engines:
         lines.append(f"engines fitted: {', '.join(sorted(fitted_engines))}; all others run on their priors")

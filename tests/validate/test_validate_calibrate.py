@@ -167,3 +167,21 @@ def test_trial_terms_give_a_pooled_device_only_the_gemm_fractions_it_has():
     assert "fp8" in load_hardware("h100_sxm").gemm_fractions and "fp8" not in load_hardware("rtx_3090").gemm_fractions
     assert set(devices["h100_sxm"]) == {"gemm_fraction.default", "gemm_fraction.fp8"}
     assert set(devices["rtx_3090"]) == {"gemm_fraction.default"}
+
+
+def test_a_term_no_row_sees_is_reported_and_left_at_its_prior(generic_rows):
+    """An eager step lasts max(GPU time, launches): where every step's GPU time exceeds its launches the launch
+    term changes no row, so the fit leaves it at its prior, says so, and does not hand it on as fitted."""
+    rows = [p for p in generic_rows if p.row.model == "llama-2-70b" and p.row.tp == 2]
+    groups = calibrate.hardware_groups(rows)
+    data = FitData(rows, groups)
+    res = calibrate.fit(with_measured(rows, 1.2 * data.predict([], np.array([]))), groups)
+    key = "generic.kernel_launch_s"
+    prior = next(p.prior for p in res.params if p.key == key)
+    assert res.unseen == {key}
+    assert res.values[key] == prior
+    terms = calibrate.engine_terms_of(res)["generic"]   # the terms the rows do see moved: the steps are 20 % longer
+    assert "kernel_launch_s" not in terms
+    assert terms["scheduler_cpu_s"] > next(p.prior for p in res.params if p.key == "generic.scheduler_cpu_s")
+    line = next(ln for ln in calibrate.format_fit(res, None, len(rows)).splitlines() if ln.startswith(key))
+    assert "no row sees it" in line
