@@ -32,6 +32,7 @@ from simengine.validate.run import Prediction, run_rows
 MIN_DEVICE_ROWS = 6       # fewer usable rows than this: the device shares its vendor's terms
 MIN_ROOFLINE_SHARE = 0.5  # a device's terms are fitted only where the roofline prices most of its rows' GPU time
 HUBER = 0.20              # beyond 20 % (log) residuals count linearly
+UNSEEN_STEP = 0.25        # a term moved by this fraction either way that changes no row's prediction: no row sees it
 PRIOR_SD_DEVICE = 0.15    # a device term's log-space spread around its published prior
 PRIOR_SD_ENGINE = 10.0    # an engine term's log-space spread around its prior (priors are rough estimates)
 ZERO_PRIOR_SD = 10.0      # a term whose prior is zero is pulled towards it in units of ten times its scale
@@ -161,8 +162,6 @@ def fit(preds: list[Prediction], hw_group: dict[str, str]) -> FitResult:
     predicted = data.predict(params, x * scale)
     return FitResult(params, values, hw_group, predicted, preds, unseen_terms(data, params, x * scale, predicted))
 
-
-UNSEEN_STEP = 0.25   # a term moved by this fraction either way that changes no row's prediction is one no row sees
 
 
 def unseen_terms(data: FitData, params: list[Param], values: np.ndarray, predicted: np.ndarray) -> frozenset[str]:
