@@ -333,12 +333,13 @@ def _run_with_terms(rows: list, terms: dict, jobs: int) -> list:
         Path(fh.name).unlink(missing_ok=True)
 
 
-def device_params_of(res: FitResult, dev: str) -> list[Param]:
+def device_params_of(res: FitResult, dev: str, *, seen: bool = True) -> list[Param]:
     """The fitted terms device `dev` takes: its group's, less the GEMM fractions of dtypes it has no entry for
-    (a pool fits a `fp8` fraction for its members with FP8 rows; the others priced theirs at `default`)."""
+    (a pool fits a `fp8` fraction for its members with FP8 rows; the others priced theirs at `default`), and less
+    those no row sees (`seen=False`: only those, which keep the device's own prior, not a pool's mean of them)."""
     hw = load_hardware(dev)
     group = res.hw_group[dev]
-    return [p for p in res.params if p.group == group
+    return [p for p in res.params if p.group == group and (p.key not in res.unseen) == seen
             and (not p.name.startswith("gemm_fraction.") or p.name.split(".", 1)[1] in hw.gemm_fractions)]
 
 
@@ -384,7 +385,8 @@ def write_results(full: FitResult, loho: list[dict] | None, source: str) -> list
         fitted = device_params_of(full, dev)
         values = {p.name: full.values[p.key] for p in fitted}
         prov.update({f"prior_{p.name}": device_prior(dev, p.name) for p in fitted})
-        written.append(write_hardware_calibration(files[dev], values, prov))
+        priors = {p.name: device_prior(dev, p.name) for p in device_params_of(full, dev, seen=False)}
+        written.append(write_hardware_calibration(files[dev], values, prov, priors))
     engines = {}
     for eng, terms in engine_terms_of(full).items():
         idx = [i for i, p in enumerate(full.preds) if p.engine == eng]

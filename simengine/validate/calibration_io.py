@@ -49,9 +49,9 @@ PROVENANCE_NOTES = {
 }
 
 
-def _replace_value(text: str, key: str, value: float, note: str, *, under: str | None = None) -> str:
+def _replace_value(text: str, key: str, value: float, note: str | None, *, under: str | None = None) -> str:
     """Set the number on the line `key: N` (the first one after the line `under:` when given), keeping its source
-    comment after `before:`."""
+    comment after `before:`; with no `note`, the value is the prior and the line gets its source comment back."""
     start = 0
     if under:
         m0 = re.search(rf"^\s+{under}:[ \t]*(#.*)?$", text, re.MULTILINE)
@@ -63,10 +63,29 @@ def _replace_value(text: str, key: str, value: float, note: str, *, under: str |
     if not m:
         raise InputError(f"no '{key}:' line under efficiency to update", field=f"efficiency.{key}")
     old_comment = (m.group(4) or "").lstrip("# ").strip()
-    comment = f"# {note}; before: {m.group(2)}" + (f" ({old_comment})" if old_comment else "")
-    if "calibrated" in old_comment and "before:" in old_comment:   # keep the first prior, not a chain of them
-        comment = f"# {note}; before:" + old_comment.split("before:", 1)[1]
-    return text[:m.start()] + f"{m.group(1)}{decimal(value)}  {comment}" + text[m.end():]
+    calibrated = "calibrated" in old_comment and "before:" in old_comment
+    if note is None:
+        source = old_comment
+        if calibrated:   # "calibrated ...; before: N (source)" -> "source"
+            w = re.match(r"\s*[0-9.eE+-]+\s*(?:\((.*)\))?\s*$", old_comment.split("before:", 1)[1])
+            source = (w.group(1) or "") if w else ""
+        comment = f"# {source}" if source else ""
+    else:
+        comment = f"# {note}; before: {m.group(2)}" + (f" ({old_comment})" if old_comment else "")
+        if calibrated:   # keep the first prior, not a chain of them
+            comment = f"# {note}; before:" + old_comment.split("before:", 1)[1]
+    return text[:m.start()] + f"{m.group(1)}{decimal(value)}  {comment}".rstrip() + text[m.end():]
+
+
+def _set_term(text: str, name: str, value: float, note: str | None, scalar_gemm: bool) -> str:
+    """`_replace_value` for one calibrated term by its name (gemm_fraction.<key>, kernel_floor_s in us, others)."""
+    if name.startswith("gemm_fraction."):
+        key = name.split(".", 1)[1]
+        return (_replace_value(text, "gemm_fraction", value, note) if scalar_gemm and key == "default"
+                else _replace_value(text, key, value, note, under="gemm_fraction"))
+    if name == "kernel_floor_s":
+        return _replace_value(text, "kernel_floor_us", value * 1e6, note)
+    return _replace_value(text, name, value, note)
 
 
 def _drop_block(text: str, key: str) -> str:
@@ -83,9 +102,11 @@ def _drop_block(text: str, key: str) -> str:
     return "".join(out)
 
 
-def write_hardware_calibration(path: Path, values: dict[str, float], provenance: dict) -> Path:
+def write_hardware_calibration(path: Path, values: dict[str, float], provenance: dict,
+                               priors: dict[str, float] | None = None) -> Path:
     """Set the fitted efficiency terms (`gemm_fraction.<dtype key>`, `memory_bandwidth_fraction`,
-    `kernel_floor_s`, written in us) and a `calibration:` mapping; keep every comment.
+    `kernel_floor_s`, written in us) and a `calibration:` mapping; keep every comment. `priors`: terms the fit
+    could not see, set back to the device's own prior with their source comment.
 
     The result is re-read with the strict loader; on any error the original file is restored.
     """
@@ -94,14 +115,9 @@ def write_hardware_calibration(path: Path, values: dict[str, float], provenance:
     text = original
     scalar_gemm = re.search(r"^\s+gemm_fraction:\s*[0-9.]+", text, re.MULTILINE) is not None
     for name, value in values.items():
-        if name.startswith("gemm_fraction."):
-            key = name.split(".", 1)[1]
-            text = (_replace_value(text, "gemm_fraction", value, note) if scalar_gemm and key == "default"
-                    else _replace_value(text, key, value, note, under="gemm_fraction"))
-        elif name == "kernel_floor_s":
-            text = _replace_value(text, "kernel_floor_us", value * 1e6, note)
-        else:
-            text = _replace_value(text, name, value, note)
+        text = _set_term(text, name, value, note, scalar_gemm)
+    for name, value in (priors or {}).items():
+        text = _set_term(text, name, value, None, scalar_gemm)
     text = _drop_block(text, "calibration").rstrip("\n") + "\n"
     text += "calibration:                   # written by `simengine calibrate` (docs/validation.md)\n"
     for k, v in provenance.items():

@@ -185,3 +185,25 @@ def test_a_term_no_row_sees_is_reported_and_left_at_its_prior(generic_rows):
     assert terms["scheduler_cpu_s"] > next(p.prior for p in res.params if p.key == "generic.scheduler_cpu_s")
     line = next(ln for ln in calibrate.format_fit(res, None, len(rows)).splitlines() if ln.startswith(key))
     assert "no row sees it" in line
+
+
+def test_a_term_the_fit_could_not_see_gets_the_device_prior_and_its_source_back(tmp_path):
+    """A vendor pool averages its members' priors for a term; when no row sees that term the average is no
+    measurement, so writing puts each device's own prior back, with the source comment an earlier write wrapped."""
+    src = hardware_files()[DEVICE]
+    path = tmp_path / src.name
+    shutil.copy(src, path)
+    before = load_hardware_file(path)
+    prior = before.gemm_fraction("bf16")
+    write_hardware_calibration(path, {"gemm_fraction.default": 0.5, "memory_bandwidth_fraction": 0.6},
+                               {"date": "2026-01-01", "scope": "amd vendor pool: a b", "rows": 3})
+    text = path.read_text()
+    assert "calibrated 2026-01-01" in text and load_hardware_file(path).gemm_fraction("bf16") == 0.5
+    write_hardware_calibration(path, {"memory_bandwidth_fraction": 0.61},
+                               {"date": "2026-01-02", "scope": "device", "rows": 4},
+                               priors={"gemm_fraction.default": prior})
+    after = load_hardware_file(path)
+    assert after.gemm_fraction("bf16") == prior and after.memory_bandwidth_fraction == 0.61
+    line = next(ln for ln in path.read_text().splitlines() if ln.strip().startswith("default:"))
+    original = next(ln for ln in src.read_text().splitlines() if ln.strip().startswith("default:"))
+    assert line.split() == original.split()   # the device's own value and source comment, as shipped
