@@ -163,7 +163,6 @@ def fit(preds: list[Prediction], hw_group: dict[str, str]) -> FitResult:
     return FitResult(params, values, hw_group, predicted, preds, unseen_terms(data, params, x * scale, predicted))
 
 
-
 def unseen_terms(data: FitData, params: list[Param], values: np.ndarray, predicted: np.ndarray) -> frozenset[str]:
     """The terms no row responds to at the fitted values: a term moved by UNSEEN_STEP either way leaves every
     prediction as it was. An eager step lasts max(GPU time, launches), so a launch term below every step's GPU
