@@ -180,3 +180,32 @@ def test_the_frontend_delays_every_request_by_its_latency():
     prior = Runner(sc, sc.engines[0]).frontend_s   # the engine's own value (or the shipped fit's)
     np.testing.assert_allclose(late["ttft_ms"], base["ttft_ms"] + (0.25 - prior) * 1e3, atol=1e-6)
     np.testing.assert_allclose(late["tpot_ms"], base["tpot_ms"], atol=1e-9)
+
+
+def _schedules_ahead_engines() -> list[str]:
+    from simengine.engines.base import ENGINES
+    return [n for n in ENGINES.names() if ENGINES.get(n).overlap_schedules_ahead]
+
+
+@pytest.mark.parametrize("engine", _schedules_ahead_engines())
+def test_an_overlapped_loop_takes_an_arrival_one_step_later(engine):
+    """Where the loop schedules step k+1 as step k starts (SGLang's and TensorRT-LLM's overlap schedulers, vLLM's
+    async scheduling), a request that reaches the engine while step k runs is first computed no earlier than step
+    k+2; with the overlap knob off, requests join the step right after the one they arrived in."""
+    off = {"sglang": {"disable_overlap_schedule": True}, "trtllm": {"disable_overlap_scheduler": True},
+           "vllm": {"async_scheduling": False}}[engine]
+    sc = make_scenario(workload__num_requests=120, workload__arrival={"process": "poisson", "rate": 8.0})
+    late = {}
+    for params in ({}, off):
+        res = run_engine(sc, EngineEntry(engine=engine, params=params), check_invariants=True)
+        steps = res.steps.sort_values("start_s")
+        starts, ends = steps["start_s"].to_numpy(), steps["end_s"].to_numpy()
+        req = res.requests
+        reached = req["arrival_s"].to_numpy() + Runner(sc, EngineEntry(engine=engine, params=params)).frontend_s
+        k = np.searchsorted(starts, reached, side="left") - 1   # the step in flight when each request came
+        mid = (k >= 0) & (k + 1 < len(ends)) & (reached < ends[np.maximum(k, 0)])
+        first = req["first_scheduled_s"].to_numpy()[mid]
+        assert mid.sum() > 20 and res.summary["completed"] == 120
+        late[bool(params)] = first >= ends[k[mid] + 1] - 1e-12   # not in the step right after
+    assert late[False].all()
+    assert not late[True].all()

@@ -44,6 +44,9 @@ class EnginePolicy(RemoteKV, ABC):
     # reaches the engine (no KV loads): on a replica alone the repeats run on through arrivals (sim/replica.py)
     repeats_outlast_arrivals: ClassVar[bool] = False
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
+    # an overlapped loop (timing.overlap) that schedules step k+1 before step k runs, after receiving new requests
+    # (`schedules_ahead`); False where overlap only hides host work
+    overlap_schedules_ahead: ClassVar[bool] = False
     # pp micro-batches in flight (sim/replica.py PipelinedReplica holds their requests in `in_flight`: not scheduled)
     supports_pipeline_microbatches: ClassVar[bool] = False
     # whose measured kernel tables price the engine's GPU work (cost/measured.py): its own backend, or the nearest
@@ -189,6 +192,14 @@ class EnginePolicy(RemoteKV, ABC):
 
     def kv_capacity_tokens(self) -> int:
         return 0
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether the loop forms the next batch while the running one computes (`overlap_schedules_ahead` and the
+        timing overlapped): the decision for step k+1 is taken as step k starts, from the requests received by then,
+        so a request that arrives during step k first joins step k+2 (sim/replica.py holds it until the decision
+        after its arrival's step). False: a decision sees every request that arrived before it."""
+        return self.overlap_schedules_ahead and self.timing.overlap
 
     def repeat_steps(self, out: SchedulerOutput) -> int:
         """After `out` was applied: how many next steps are certainly `out` again (the same requests, one decode

@@ -49,6 +49,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
     lazy_decode = True  # speed device (module docstring)
     vendors = frozenset({"nvidia", "amd", "huawei"})
     kernel_backend = "sglang"  # SGLang's own kernels (aiconfigurator-core's sglang tables)
+    overlap_schedules_ahead = True  # event_loop_overlap: recv, schedule, launch batch k+1, then batch k's result
     support_source = "SGLang docs 'Install' (CUDA), 'AMD GPUs' (ROCm MI300/MI325/MI355), 'Ascend NPUs' (sgl-kernel-npu)"
     supports_expert_parallel = True  # --ep-size / --enable-ep-moe (arg_groups/fields/parallel.py)
     supports_attention_dp = True  # --enable-dp-attention with --dp-size (server_args.py enable_dp_attention)
@@ -128,11 +129,10 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
     def make_timing(self) -> EngineTiming:
         p = self.params
         return EngineTiming(
-            # ESTIMATE: SGLang's Python scheduler spends ~1 ms building a batch and ~0.5 ms processing results
-            # per step; with the overlap scheduler (on by default) it runs while the GPU computes the previous
-            # batch ('zero-overhead batch scheduler', SGLang v0.4 blog, Dec 2024), so only the excess shows.
-            # speculative decoding turns the overlap scheduler off (server_args.py: "Overlap scheduler is disabled
-            # because of using eagle speculative decoding")
+            # ESTIMATE: SGLang's Python scheduler spends ~1 ms building a batch and ~0.5 ms processing results per
+            # step; with the overlap scheduler (on by default) it runs while the GPU computes the previous batch
+            # ('zero-overhead batch scheduler', SGLang v0.4 blog, Dec 2024), so only the excess shows. Speculative
+            # decoding turns it off (server_args.py: "Overlap scheduler is disabled because of using eagle ...")
             scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3,
             overlap=not p.disable_overlap_schedule and self.speculation is None,
             seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,

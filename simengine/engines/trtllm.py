@@ -47,6 +47,7 @@ class TrtllmEngine(PagedEngine):
     Params = TrtllmParams
     vendors = frozenset({"nvidia"})
     kernel_backend = "trtllm"  # TensorRT-LLM's own kernels (aiconfigurator-core's trtllm tables)
+    overlap_schedules_ahead = True  # _executor_loop_overlap: fetch, schedule, forward k+1, then update batch k
     # disaggregated serving (docs/source/advanced/disaggregated-service.md, `trtllm-serve disaggregated`): a
     # context-only request keeps its blocks until the kv_cache_transceiver has sent them; a generation-only request
     # (DISAGG_GENERATION_INIT) gets blocks from the capacity scheduler, receives the KV into them and decodes from

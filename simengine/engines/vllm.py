@@ -47,6 +47,7 @@ class VllmEngine(VllmConnectors):
     Params = VllmParams
     vendors = frozenset({"nvidia", "amd", "intel", "huawei"})
     kernel_backend = "vllm"  # vLLM's own kernels (aiconfigurator-core's vllm tables)
+    overlap_schedules_ahead = True  # async_scheduling: core.py step_with_batch_queue schedules k+1 while k runs
     support_source = "vLLM docs 'GPU installation' (CUDA, ROCm, XPU) and the vllm-ascend plugin; Gaudi via vllm-gaudi"
     supports_expert_parallel = True  # vLLM --enable-expert-parallel (docs: expert parallel deployment)
     supports_attention_dp = True  # --data-parallel-size with --enable-expert-parallel (docs: data parallel deployment)

@@ -30,9 +30,12 @@ class ReplicaState:
         self._events = events   # the engine whose KV events the router hears (None: it hears none)
 
     @classmethod
-    def live(cls, index: int, engine, waiting_published: int | None = None) -> ReplicaState:
-        state = cls(index, engine.num_running(), engine.num_waiting(), 0.0, 0, events=engine,
-                    waiting_published=waiting_published)
+    def live(cls, index: int, engine, waiting_published: int | None = None,
+             num_waiting: int | None = None) -> ReplicaState:
+        """The engine's state now (`num_waiting`: the replica's queue where it holds requests the engine has not
+        seen yet, sim/replica.py; the engine's own otherwise)."""
+        state = cls(index, engine.num_running(), engine.num_waiting() if num_waiting is None else num_waiting, 0.0, 0,
+                    events=engine, waiting_published=waiting_published)
         state._engine = engine
         return state
 

@@ -46,10 +46,24 @@ class Replica:
         # repeats running on through arrivals (`_through`) until applied: (out, StepCost rows, start, ends, queue at
         # start, whether update applies the last, each arrival's (time, queue length after it) meanwhile)
         self._in_flight: tuple | None = None
+        # an engine that schedules ahead (EnginePolicy.schedules_ahead) took the decision for the next step as the
+        # running one started: what arrives during a step waits here and joins the queue after the next decision
+        self.schedules_ahead = engine.schedules_ahead
+        assert not (self.schedules_ahead and engine.repeats_outlast_arrivals), "repeats through arrivals see them"
+        self._stepping = False   # a step is in flight (or just ended, before the decision that follows it)
+        self._inbox: list[Request] = []
         self.process = env.process(self.run())
 
+    def num_waiting(self) -> int:
+        """Requests the replica holds that have not started: the engine's queue and those held for its next one."""
+        return self.engine.num_waiting() + len(self._inbox)
+
     def submit(self, req: Request) -> None:
-        """Hand a request to the engine; a rejection is final and reported at once."""
+        """Hand a request to the engine (held until the next decision has been taken where it schedules ahead and a
+        step is in flight); a rejection is final and reported at once."""
+        if self._stepping and self.schedules_ahead:
+            self._inbox.append(req)
+            return
         if not self.engine.add_request(req, self.env.now):
             self.on_done(req, self.index)
             return
@@ -125,28 +139,42 @@ class Replica:
         """Steps back to back while the engine has work. Returns None when it ran out of work, or the engine's idle
         reason when waiting work could not be scheduled (the replica then parks until something changes)."""
         env, engine, cost = self.env, self.engine, self.cost
-        while engine.has_work():
+        while engine.has_work() or self._inbox:
             out = engine.schedule(env.now)
             self.scheduled(out)
             for req in out.rejected:
                 self.on_done(req, self.index)
+            received = self._receive()
             if not out.scheduled:
                 if engine.num_running():
                     raise RuntimeError(f"{engine.name} scheduled nothing with {engine.num_running()} running "
                                        f"({out.idle_reason or 'no reason given'})")
-                if out.rejected or out.released:   # blocks were freed: the waiting requests may fit now
+                if out.rejected or out.released or received:   # blocks were freed, or requests came: decide again
                     continue
                 return out.idle_reason
             self.stall = None
             c = cost.step(out.shape)
             start = env.now
+            self._stepping = True
             yield env.timeout(c.seconds)
             self._complete(out, c, start, env.now)
             # drafts and adapters: each step its own
             repeats = engine.repeat_steps(out) if engine.speculation is None and not out.shape.lora_adapters else 0
             if repeats:  # steps the engine proved identical: no schedule call
                 yield from self._repeat(out, repeats)
+        self._stepping = False
         return None
+
+    def _receive(self) -> bool:
+        """After a decision: the requests held while the step before it ran join the engine's queue (the next
+        decision sees them), and arrivals go straight to the engine until the next step starts. Whether any came."""
+        self._stepping = False
+        if not self._inbox:
+            return False
+        held, self._inbox = self._inbox, []
+        for req in held:
+            self.submit(req)
+        return True
 
     def _repeat(self, out: SchedulerOutput, steps: int):
         """Run up to `steps` repeats of `out`, priced in one pass. Those that end before the next event anywhere in the
@@ -258,10 +286,11 @@ class Replica:
 
     def _row(self, start: float, end: float, n: int, shape: BatchShape, kv_usage: float, preempted: int, cost,
              output_tokens: int) -> tuple:
-        """A step's row of STEP_FIELDS (`cost`: the StepCost fields in order), the engine's queues as they are now."""
+        """A step's row of STEP_FIELDS (`cost`: the StepCost fields in order), the queues as they are now (requests
+        held for the engine's next decision among the waiting)."""
         engine = self.engine
         return (self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(),
-                engine.num_waiting(), kv_usage, preempted, *cost, shape.cuda_graph, output_tokens, shape.spec_tokens)
+                self.num_waiting(), kv_usage, preempted, *cost, shape.cuda_graph, output_tokens, shape.spec_tokens)
 
 
 class PipelinedReplica(Replica):

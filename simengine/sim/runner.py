@@ -191,7 +191,7 @@ class Runner:
         """Replica i's state as its router sees it (the last load report, or now), numbered from `first`."""
         rep = self.replicas[i]
         if self.reported is None:
-            return ReplicaState.live(i - first, rep.engine, rep.waiting_published)
+            return ReplicaState.live(i - first, rep.engine, rep.waiting_published, rep.num_waiting())
         s = self.reported[i]
         return ReplicaState(i - first, s.num_running, s.num_waiting, s.kv_usage, s.kv_capacity_tokens,
                             events=rep.engine, waiting_published=s.waiting_published)
@@ -199,7 +199,7 @@ class Runner:
     def _live_state(self, i: int) -> ReplicaState:
         rep = self.replicas[i]
         e = rep.engine
-        return ReplicaState(i, e.num_running(), e.num_waiting(), e.kv_usage(), e.kv_capacity_tokens(),
+        return ReplicaState(i, e.num_running(), rep.num_waiting(), e.kv_usage(), e.kv_capacity_tokens(),
                             waiting_published=rep.waiting_published)
 
     def _load_reports(self, every_s: float):
