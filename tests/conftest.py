@@ -89,3 +89,14 @@ def make_scenario(**overrides) -> Scenario:
 def dep() -> Deployment:
     return make_dep()
 
+
+def frontend_reach_s(runner, req) -> np.ndarray:
+    """When each request of the frame `req` reached the engine's queue (its row's order): sent, then the frontend's
+    fixed latency and its tokenising of the prompt, the requests sent at one instant together (when the longest of
+    them is tokenised), and no sooner than those sent before them (sim/runner.py)."""
+    sent = req["arrival_s"].to_numpy()
+    ready = sent + runner.frontend_s + runner.tokenize_s_per_token * req["prompt_len"].to_numpy()
+    instants, group = np.unique(sent, return_inverse=True)
+    latest = np.full(len(instants), -np.inf)
+    np.maximum.at(latest, group, ready)
+    return np.maximum.accumulate(latest)[group]

@@ -24,7 +24,7 @@ def test_md1_capacity_matches_pollaczek_khinchine():
     wait lambda S^2 / (2 (1 - lambda S)) reaches the limit's slack: here the rate of load 0.5."""
     s = _mean_service("l4", CONSTANT)
     sc = _scenario("l4", CONSTANT, 20_000, {"process": "poisson", "rate": 1.0}, seed=5)
-    f = _frontend_s(sc)
+    f = _frontend_s(sc, CONSTANT["value"])
     limit_ms = (f + 1.5 * s) * 1e3          # the mean wait at load 0.5 is S/2
     slack = limit_ms / 1e3 - f - s
     theory = 2 * slack / (s * s + 2 * s * slack)

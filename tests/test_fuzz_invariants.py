@@ -46,6 +46,7 @@ from simengine.errors import InputError
 from simengine.routers import ROUTERS
 from simengine.sim.build import build_deployment, plan_pools
 from simengine.sim.runner import Runner
+from tests.conftest import frontend_reach_s
 from tests.fuzz_report import FUZZ
 from tests.speculation import SPEC_ENGINES, spec_params
 
@@ -347,7 +348,7 @@ def little(req, runner: TrackingRunner, end: float, steps) -> None:
         # be ordered either side of its row: arrivals submitted then, and requests the next schedule() refuses
         # or fails at that instant (they leave at the row's time but after it).
         at = steps["end_s"].to_numpy()
-        sa, sd = np.sort(a + runner.frontend_s), np.sort(d)   # a request reaches the engine through the frontend
+        sa, sd = np.sort(frontend_reach_s(runner, req)), np.sort(d)   # requests reach the engine through the frontend
         arrived = np.searchsorted(sa, at, side="right")
         left = np.searchsorted(sd, at, side="right")
         arrive_now = arrived - np.searchsorted(sa, at, side="left")

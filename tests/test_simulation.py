@@ -10,7 +10,7 @@ import pytest
 from simengine.api import run_engine
 from simengine.config.scenario import EngineEntry
 from simengine.sim.runner import Runner
-from tests.conftest import make_scenario
+from tests.conftest import frontend_reach_s, make_scenario
 
 
 def test_conservation_and_invariants_every_step():
@@ -105,7 +105,8 @@ def test_md1_mean_wait_matches_theory(rho):
                           "workload__arrival": {"process": "poisson", "rate": rate}})
     req = run_engine(sc, base.engines[0]).requests
     from simengine.sim.runner import Runner
-    frontend = Runner(sc, base.engines[0]).frontend_s   # before the engine's queue: not waiting in it
+    runner = Runner(sc, base.engines[0])   # the frontend, before the engine's queue: not waiting in it
+    frontend = runner.frontend_s + runner.tokenize_s_per_token * req["prompt_len"].to_numpy()
     wait = (req["first_scheduled_s"] - req["arrival_s"]).to_numpy() - frontend
     theory = rho * service_s / (2 * (1 - rho))
     assert np.mean(wait) == pytest.approx(theory, rel=0.05)
@@ -182,6 +183,28 @@ def test_the_frontend_delays_every_request_by_its_latency():
     np.testing.assert_allclose(late["tpot_ms"], base["tpot_ms"], atol=1e-9)
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm", "tgi", "llamacpp"])
+def test_the_frontend_tokenises_each_prompt_before_the_engine_sees_it(engine):
+    """A served engine's frontend tokenises the whole prompt first: with requests far apart (none waits), each
+    TTFT is longer by exactly tokenize_s_per_token x its prompt length than with no tokenising, and the engine's
+    steps are the same; an engine no server fronts (the generic one) tokenises nothing."""
+    from simengine.metrics.frames import requests_frame
+
+    sc = make_scenario(workload__num_requests=30, workload__arrival={"process": "constant", "rate": 0.2},
+                       deployment={"hardware": "h100_sxm", "model": "llama-3.1-8b"}, engines=[engine])
+    rate = Runner(sc, sc.engines[0]).tokenize_s_per_token
+    assert rate == pytest.approx(2e-6)
+    runs = []
+    for per_token_s in (rate, 0.0):
+        runner = Runner(sc, sc.engines[0])
+        runner.tokenize_s_per_token = per_token_s
+        runs.append(requests_frame(runner.run().recorder).set_index("request_id"))
+    on, off = runs
+    np.testing.assert_allclose(on["ttft_ms"] - off["ttft_ms"], 1e3 * rate * on["prompt_len"], atol=1e-6)
+    np.testing.assert_allclose(on["e2el_ms"] - off["e2el_ms"], 1e3 * rate * on["prompt_len"], atol=1e-6)
+    assert Runner(sc, EngineEntry(engine="generic")).tokenize_s_per_token == 0.0
+
+
 def _schedules_ahead_engines() -> list[str]:
     from simengine.engines.base import ENGINES
     return [n for n in ENGINES.names() if ENGINES.get(n).overlap_schedules_ahead]
@@ -201,7 +224,7 @@ def test_an_overlapped_loop_takes_an_arrival_one_step_later(engine):
         steps = res.steps.sort_values("start_s")
         starts, ends = steps["start_s"].to_numpy(), steps["end_s"].to_numpy()
         req = res.requests
-        reached = req["arrival_s"].to_numpy() + Runner(sc, EngineEntry(engine=engine, params=params)).frontend_s
+        reached = frontend_reach_s(Runner(sc, EngineEntry(engine=engine, params=params)), req)
         k = np.searchsorted(starts, reached, side="left") - 1   # the step in flight when each request came
         mid = (k >= 0) & (k + 1 < len(ends)) & (reached < ends[np.maximum(k, 0)])
         first = req["first_scheduled_s"].to_numpy()[mid]
@@ -209,3 +232,16 @@ def test_an_overlapped_loop_takes_an_arrival_one_step_later(engine):
         late[bool(params)] = first >= ends[k[mid] + 1] - 1e-12   # not in the step right after
     assert late[False].all()
     assert not late[True].all()
+
+
+def test_prompts_sent_together_leave_the_frontend_together():
+    """A burst is tokenised as one batch: every prompt sent at one instant reaches the engine when the longest is
+    tokenised, in the order sent, so the first step holds them all (no short prompt runs ahead alone)."""
+    sc = make_scenario(workload__num_requests=20, workload__arrival={"process": "offline"},
+                       workload__input_tokens={"dist": "uniform", "low": 20, "high": 200}, engines=["vllm"])
+    runner = Runner(sc, sc.engines[0])
+    from simengine.metrics.frames import requests_frame
+    req = requests_frame(runner.run().recorder)
+    expected = runner.frontend_s + runner.tokenize_s_per_token * req["prompt_len"].max()
+    assert req["prompt_len"].nunique() > 5
+    np.testing.assert_allclose(req["first_scheduled_s"], expected, rtol=0, atol=1e-12)

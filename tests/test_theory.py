@@ -29,7 +29,7 @@ import pytest
 
 from simengine.api import run_engine
 from simengine.config.scenario import EngineEntry
-from tests.conftest import make_scenario
+from tests.conftest import frontend_reach_s, make_scenario
 
 # One server. A 16k token budget and 256-token blocks: no chunking, few block operations per request.
 SERVER = EngineEntry(engine="vllm", params={"max_num_seqs": 1, "enable_prefix_caching": False,
@@ -48,10 +48,12 @@ def _scenario(hardware: str, input_tokens: dict, n: int, arrival: dict, seed: in
                          engines=[{"engine": SERVER.engine, "params": SERVER.params}])
 
 
-def _frontend_s(sc) -> float:
-    """The frontend latency every request spends before it reaches the engine's queue (not queueing)."""
+def _frontend_s(sc, prompt_tokens: int) -> float:
+    """The frontend's time a lone request of `prompt_tokens` spends before it reaches the engine's queue (not
+    queueing): its fixed latency and its tokenising of the prompt."""
     from simengine.sim.runner import Runner
-    return Runner(sc, SERVER).frontend_s
+    runner = Runner(sc, SERVER)
+    return runner.frontend_s + runner.tokenize_s_per_token * prompt_tokens
 
 
 def _mean_service(hardware: str, input_tokens: dict) -> float:
@@ -67,8 +69,11 @@ def queue(hardware: str, input_tokens: dict, rho: float, n: int, seed: int = 5) 
     sc = _scenario(hardware, input_tokens, n, {"process": "poisson", "rate": rate}, seed)
     req = run_engine(sc, SERVER).requests
     assert (req["status"] == "completed").all(), req["status"].value_counts()
-    req = req.sort_values(["arrival_s", "request_id"], kind="stable")
-    arrival = req["arrival_s"].to_numpy() + _frontend_s(sc)   # when the request reaches the engine's queue
+    # when each request reaches the engine's queue (after the frontend), in that order
+    from simengine.sim.runner import Runner
+    req = req.assign(reach_s=frontend_reach_s(Runner(sc, SERVER), req))
+    req = req.sort_values(["reach_s", "request_id"], kind="stable")
+    arrival = req["reach_s"].to_numpy()
     start = req["first_scheduled_s"].to_numpy()
     service = req["finish_s"].to_numpy() - start
     return {"rate": rate, "arrival": arrival, "wait": start - arrival, "service": service}

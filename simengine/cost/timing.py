@@ -10,13 +10,19 @@ from dataclasses import dataclass, field
 # step, about 15-50 us per sequence at the batch of a few hundred it profiled; a native (C++) output path a quarter.
 PYTHON_SEQ_CPU_S = 20e-6
 NATIVE_SEQ_CPU_S = 5e-6
-# Priors of the frontend's latency per request (HTTP parsing, tokenising a few hundred tokens at ~2 us each, handing
-# the request to the engine process over ZMQ/gRPC, and detokenising and streaming the first token back). ESTIMATE:
-# a Python server (vLLM, SGLang, TensorRT-LLM's trtllm-serve, LMDeploy api_server) about 3 ms; a native one
-# (TGI's Rust router, llama.cpp's server) about 1 ms. Tokenising speed: ~500k tokens/s per core (MiniMax-M2.5 agentic
-# trace study on vLLM 0.19, andyluo7.github.io 2026-05-14).
+# Priors of the frontend's latency per request (HTTP parsing, handing the request to the engine process over
+# ZMQ/gRPC, and detokenising and streaming the first token back). ESTIMATE: a Python server (vLLM, SGLang,
+# TensorRT-LLM's trtllm-serve, LMDeploy api_server) about 3 ms; a native one (TGI's Rust router, llama.cpp's server)
+# about 1 ms.
 PYTHON_FRONTEND_S = 3e-3
 NATIVE_FRONTEND_S = 1e-3
+# The frontend's tokenising of the prompt, per prompt token: ~500k tokens/s on one core (MiniMax-M2.5 agentic trace
+# study on vLLM 0.19, andyluo7.github.io 2026-05-14), the rate of the HF tokenizers library these servers call (the
+# same order as its README's 'less than 20 seconds to tokenize a GB of text' on a many-core server). A server
+# tokenises the whole text it is sent, cached prefix or not. Not a queue of one: vLLM batches concurrent prompts into
+# one parallel encode and TensorRT-LLM tokenises on a worker pool; but in the order sent (sim/runner.py: a short
+# prompt does not overtake a long one sent before it, as a batch's encode ends for all of its prompts at once).
+TOKENIZE_S_PER_TOKEN = 2e-6
 # GPU time of a decode step run by a torch.compile'd model (Inductor's fused elementwise kernels and autotuned small-M
 # matmuls inside the captured graph) over the same step from the eager model's CUDA graph: Llama-3-8B, TP1, batch 1,
 # sglang.bench_latency 6.42 ms compiled against 7.37 ms (sgl-project/sglang issue #1008, 2024-08-09). At batch 128 the
@@ -41,8 +47,10 @@ class EngineTiming:
     custom_allreduce: bool = False    # tensor-parallel all-reduce by the engine's own one-shot kernels (NVLink), not
                                       # the collective library (NCCL): the device's custom_allreduce_latency_us
     seq_cpu_s: float = 0.0            # host time per sequence in the step (sampling, stop checks, detokenising)
-    frontend_s: float = 0.0           # per request: the serving frontend's parsing, tokenising and IPC to the engine
-                                      # and the first token's way back (sim/runner.py delays arrivals by it)
+    frontend_s: float = 0.0           # per request: the serving frontend's parsing and IPC to the engine and the
+                                      # first token's way back (sim/runner.py delays arrivals by it)
+    tokenize_s_per_token: float = 0.0  # per prompt token: the frontend's tokenising (arrivals delayed by it too; 0
+                                       # where no server fronts the engine)
     compiled_max_bs: int = 0          # decode steps replayed from a graph with at most this many sequences run a
                                       # torch.compile'd model (0: none)
     compiled_gpu_factor: float = TORCH_COMPILE_DECODE_FACTOR   # their GPU time over the uncompiled graph's

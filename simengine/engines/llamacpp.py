@@ -22,7 +22,7 @@ import numpy as np
 
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_FRONTEND_S, EngineTiming
+from simengine.cost.timing import NATIVE_FRONTEND_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.cost.work import UnfusedAttention
 from simengine.engines import llamacpp_kernels
 from simengine.engines.base import ENGINES, EnginePolicy
@@ -131,7 +131,8 @@ class LlamaCppEngine(EnginePolicy):
             # ESTIMATE: CPU sampling of one token: logits copy plus the default chain (penalties, top-k 40,
             # top-p, min-p, temp) builds a vocabulary-sized candidate array, ~2 ns per entry (0.26 ms at 128k),
             # once per sequence in the step; the slot and response bookkeeping of the server ~0.1 ms a step.
-            output_cpu_s=0.1e-3, seq_cpu_s=2e-9 * self.dep.model.vocab_size, frontend_s=NATIVE_FRONTEND_S,
+            output_cpu_s=0.1e-3, seq_cpu_s=2e-9 * self.dep.model.vocab_size,
+            frontend_s=NATIVE_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             overlap=False,                                  # one thread: schedule, decode, sample in sequence
             kernel_launch_s=launch_cost_s(hw),
             # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention (its unfused kernels instead)

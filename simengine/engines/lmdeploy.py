@@ -26,7 +26,7 @@ import numpy as np
 from simengine.config.dtypes import GGML_FORMATS
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
+from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lmdeploy_before_0_1 import separate_pass
@@ -101,7 +101,7 @@ class LmdeployEngine(EnginePolicy):
             # ESTIMATE: the C++ scheduler pass (scheduler.cc) ~0.2 ms; output callbacks to the gateway ~0.3 ms;
             # detokenisation runs in Python (AsyncEngine) off the engine thread. async_=1 hides both.
             scheduler_cpu_s=0.2e-3, output_cpu_s=0.3e-3, overlap=self.params.async_ == 1,
-            seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
+            seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             # ESTIMATE: fused C++ kernels per decoder layer: norm+residual, QKV(+bias), RoPE+KV write, attention,
             # O, norm+residual, gate_up+SiLU, down = 8 launches at ~3 us from C++ (no Python in the loop).
             kernel_launch_s=3e-6, kernels_per_layer=8, cuda_graph_sizes=())

@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, EngineTiming
+from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.devices import ALL_CLASSES, launch_cost_s, refuse_gaudi
 from simengine.engines.memory import Deployment
@@ -62,7 +62,7 @@ class MlcEngine(EnginePolicy):
             # ESTIMATE: C++ action loop + TVM VM dispatch to prepare a step ~0.3 ms; GPU sampling, C++
             # detokenizer and stream callback ~0.3 ms. No overlap: each step is synchronous (docs/engines/mlc.md).
             scheduler_cpu_s=0.3e-3, output_cpu_s=0.3e-3, overlap=False, kernel_launch_s=launch_cost_s(hw),
-            seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
+            seq_cpu_s=NATIVE_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             # TVM's CUDA-graph rewrite captures the decode function lazily per batch shape: every decode size is
             # covered without padding; prefill and hybrid forwards run without graphs.
             cuda_graph_sizes=tuple(range(1, c.max_num_sequence + 1)) if graphs else (),

@@ -17,7 +17,7 @@ import dataclasses
 
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
-from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import Deployment, kv_tokens_or_refuse
@@ -135,7 +135,7 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
             # decoding turns it off (server_args.py: "Overlap scheduler is disabled because of using eagle ...")
             scheduler_cpu_s=1.0e-3, output_cpu_s=0.5e-3,
             overlap=not p.disable_overlap_schedule and self.speculation is None,
-            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
+            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             cuda_graph_sizes=() if p.disable_cuda_graph else sglang_decode_graph_sizes(self.graph_max_bs),
             # prefill CUDA graphs up to chunked_prefill_size tokens (memory_hook.py prefill max_bs)
             graph_padding=True, graph_mixed_steps=not p.disable_cuda_graph and self.chunked_prefill_size > 0,

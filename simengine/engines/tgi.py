@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 from simengine.config.loader import Checked, MemoryFraction, PoolSize, Range, Sequences, Tokens
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
-from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
+from simengine.cost.timing import NATIVE_FRONTEND_S, PYTHON_SEQ_CPU_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, activation_reserve_bytes, kv_tokens_or_refuse
@@ -147,7 +147,7 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
             # filter_batch RPC (tgi_batch_concat/filter_duration are timed separately, backend.rs). Nothing
             # overlaps the GPU (docs/engines/tgi.md); design.md of TRT-LLM puts exposed host costs at 3-17 ms.
             scheduler_cpu_s=1.5e-3, output_cpu_s=2.0e-3, overlap=False, seq_cpu_s=PYTHON_SEQ_CPU_S,
-            frontend_s=NATIVE_FRONTEND_S,
+            frontend_s=NATIVE_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             cuda_graph_sizes=tuple(sorted(s for s in self.params.cuda_graphs if s > 0)),
             graph_padding=True, graph_mixed_steps=False)   # graphs for decode-only forwards (flash_causal_lm.py)
 

@@ -24,7 +24,7 @@ from itertools import islice
 from simengine.config.dtypes import GGML_FORMATS
 from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
-from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.memory import Deployment
@@ -99,7 +99,8 @@ class TrtllmEngine(PagedEngine):
             # plus input preparation costs about the compiled figure; response handling (_process_previous_batch,
             # stop checks, hand-off to the serve process) ~1 ms. Hidden by the overlap scheduler when it is on.
             scheduler_cpu_s=2.89e-3, output_cpu_s=1.0e-3, overlap=self.overlap,
-            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,  # responses in the 1.x Python PyExecutor
+            seq_cpu_s=PYTHON_SEQ_CPU_S,  # responses in the 1.x Python PyExecutor
+            frontend_s=PYTHON_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             cuda_graph_sizes=trtllm_capture_sizes(p.cuda_graph_max_batch_size, p.cuda_graph_enable_padding)
             if p.cuda_graph_config else (),
             graph_padding=p.cuda_graph_enable_padding, graph_mixed_steps=False,  # generation-only batches

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from simengine.core.batch import SchedulerOutput
 from simengine.core.request import Request, Status
-from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, EngineTiming
+from simengine.cost.timing import PYTHON_FRONTEND_S, PYTHON_SEQ_CPU_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES
 from simengine.engines.decode_cohort import DecodeCohort
 from simengine.engines.lora import AdapterSlots
@@ -126,7 +126,7 @@ class VllmEngine(VllmConnectors):
             # multi-step run schedules once for all its steps.
             scheduler_cpu_s=1.0e-3, steps_per_schedule=p.num_scheduler_steps, output_cpu_s=0.5e-3,
             overlap=self.async_scheduling,
-            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S,
+            seq_cpu_s=PYTHON_SEQ_CPU_S, frontend_s=PYTHON_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             cuda_graph_sizes=() if p.enforce_eager else vllm_capture_sizes(self.max_num_seqs,
                                                                            self.max_num_batched_tokens),
             graph_padding=True, graph_mixed_steps=not p.enforce_eager,  # FULL_AND_PIECEWISE

@@ -3,6 +3,8 @@ scenario's request stream in a SimPy environment."""
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -90,9 +92,15 @@ class Runner:
             self.factory.mark_private = False
         self.costs: dict[str, CostModel] = {}
         self.replicas = [self._replica(i, eng) for i, eng in enumerate(self.engines)]
-        # the serving frontend's time from the client's send to the engine's queue (parsing, tokenising, IPC) and
-        # of the first token's way back: every request reaches the engine this much after it was sent
+        # the serving frontend's time from the client's send to the engine's queue (parsing, IPC) and of the first
+        # token's way back, and its tokenising per prompt token: a request reaches the engine frontend_delay_s after
+        # it was sent
         self.frontend_s = self.engines[0].timing.frontend_s
+        self.tokenize_s_per_token = 0.0 if wl.prompt_token_ids else self.engines[0].timing.tokenize_s_per_token
+        # requests leave the frontend in the order they were sent, and those sent at one instant together (a server
+        # encodes concurrent prompts as one batch, whose tokens are all ready when its longest prompt is): the
+        # batch of the last send instant, [sent at, its requests, when it reaches the engine]
+        self.frontend_batch: list | None = None
         self.detailed_requests = scenario.output.detailed_requests  # ids below keep every token's time
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
@@ -145,21 +153,43 @@ class Runner:
         if req.request_id < self.detailed_requests:
             req.token_times = array("d")
         self.live[req.request_id] = req
-        wait = req.arrival_s + self.frontend_s - self.env.now   # an open loop already waited for it
-        if len(self.front.indices) > 1:
-            wait += self.scenario.deployment.router_decision_s
-        if req.structured and self.compile_s:
-            # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
-            # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
-            wait += self.compile_s
-        if wait > 0:
-            self.env.process(self._submit_after(req, wait))
+        ready = req.arrival_s + self.frontend_delay_s(req)
+        batch = self.frontend_batch
+        if batch is not None and batch[0] == req.arrival_s and batch[2] >= self.env.now:   # sent with the batch
+            batch[1].append(req)
+            batch[2] = max(batch[2], ready)
             return
+        reach = max(ready, batch[2]) if batch is not None else ready   # not before the batch sent before it
+        batch = self.frontend_batch = [req.arrival_s, [req], reach]
+        if reach > self.env.now:   # an open loop waited for frontend_s already
+            self.env.timeout(reach - self.env.now).callbacks.append(lambda _event: self._leave_frontend(batch))
+        else:
+            self._leave_frontend(batch)
+
+    def _leave_frontend(self, batch: list) -> None:
+        """The frontend hands a batch's requests on, in the order sent, once its longest prompt is tokenised (a
+        later request of the batch may have moved that time on: then wait for it)."""
+        if batch[2] > self.env.now:
+            self.env.timeout(batch[2] - self.env.now).callbacks.append(lambda _event: self._leave_frontend(batch))
+            return
+        batch[2] = -math.inf   # left: a request sent at the same instant from now on starts a batch of its own
+        for req in batch[1]:
+            wait = self.scenario.deployment.router_decision_s if len(self.front.indices) > 1 else 0.0
+            if req.structured and self.compile_s:
+                # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
+                # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
+                wait += self.compile_s
+            if wait > 0:
+                self.env.timeout(wait).callbacks.append(functools.partial(self._route_on, req))
+            else:
+                self._route(req)
+
+    def _route_on(self, req: Request, _event: simpy.Event) -> None:
         self._route(req)
 
-    def _submit_after(self, req: Request, delay_s: float):
-        yield self.env.timeout(delay_s)
-        self._route(req)
+    def frontend_delay_s(self, req: Request) -> float:
+        """From the client's send to the engine's queue: the frontend's fixed part and its tokenising of the prompt."""
+        return self.frontend_s + self.tokenize_s_per_token * req.prompt_len
 
     def _choose(self, tier: Tier, req: Request) -> Replica | None:
         """The replica of `tier` the router picks among those up (None when all are down)."""

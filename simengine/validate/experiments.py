@@ -223,6 +223,17 @@ def _arrival(row: Measurement) -> dict:
     return {"process": "offline"}   # offline, and batch:B (B requests at t=0)
 
 
+# benchmark clients that send token ids, not text (their engines tokenise nothing): trtllm-bench (a dataset of token
+# ids), LMDeploy's profile_generation.py and profile_throughput.py (the engine API, prompts tokenised beforehand) and
+# MLPerf's LoadGen (token-id datasets); `prompt_token_ids=true` in the notes says so of any other
+TOKEN_ID_CLIENTS = re.compile(r"(?i)trtllm-bench|profile_generation|profile_throughput|\bmlperf\b|\bloadgen\b")
+
+
+def sends_token_ids(row: Measurement) -> bool:
+    """Whether the row's client sent token ids (workload.prompt_token_ids): the notes' item or its benchmark."""
+    return row.note_flag("prompt_token_ids") or bool(TOKEN_ID_CLIENTS.search(row.notes))
+
+
 def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
                  params: dict | None = None, cost_model: str = "auto") -> Scenario:
     """The row's deployment and request stream as a Scenario (InputError on impossible values)."""
@@ -235,7 +246,7 @@ def scenario_for(row: Measurement, engine: str, num_requests: int | None = None,
     if isinstance(traffic, str):
         raise InputError(traffic)
     workload = {"arrival": _arrival(row), "num_requests": n, "input_tokens": lengths[0], "output_tokens": lengths[1],
-                **traffic.workload}
+                "prompt_token_ids": sends_token_ids(row), **traffic.workload}
     data = {
         "name": row.id, "seed": 0, "horizon_s": 1.0e6, "drain_s": 1.0e6,
         "deployment": {"hardware": row.hardware, "model": row.model, "weight_dtype": row.weight_dtype,

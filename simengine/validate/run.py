@@ -36,7 +36,7 @@ from simengine.validate.measurements import RATE_METRICS, Measurement
 @dataclass
 class Readout:
     """metric = numerator / span for rates, or 1e3 * span for times in ms, where span = sum_k w_k . t_k over
-    the recorded step sequences k (replicas, and runs of different lengths) plus `offset_s` (the frontend latency
+    the recorded step sequences k (replicas, and runs of different lengths) plus `offset_s` (the frontend's time
     before the first step, which no step term changes)."""
 
     rate: bool
@@ -171,7 +171,8 @@ def ladder_key(exp: Experiment) -> tuple | None:
 
 def _simulate(exp: Experiment, n: int) -> tuple[list[RecordingCost], Any, Any, float]:
     """Run the row's stream of `n` requests; every replica's steps recorded. InputError if any request fails.
-    Returns (per-replica recorded costs, requests frame, recorder, the frontend latency)."""
+    Returns (per-replica recorded costs, requests frame, recorder, the time before the first step: the frontend's
+    latency and its tokenising of the first request to reach the engine)."""
     key = ladder_key(exp)
     if key is not None and key in _LADDER:
         return _LADDER[key]
@@ -198,7 +199,7 @@ def _run_stream(exp: Experiment, n: int) -> tuple[list[RecordingCost], Any, Any,
     if len(failed):
         reason = failed["fail_reason"].iloc[0] or failed["status"].iloc[0]
         raise InputError(f"{len(failed)} of {n} requests did not complete in simulation ({reason})")
-    return rec_costs, frame, recorder, runner.frontend_s
+    return rec_costs, frame, recorder, float(frame["first_scheduled_s"].min() - frame["arrival_s"].min())
 
 
 def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
@@ -210,7 +211,7 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
     """
     r = exp.row
     full = exp.full_requests
-    costs, frame, _, frontend_s = _simulate(exp, n)
+    costs, frame, _, before_first_step_s = _simulate(exp, n)
     runs = [costs]
     if full is None or full > n:
         runs.append(_simulate(exp, n // 2)[0])
@@ -232,7 +233,7 @@ def _offline_rate(exp: Experiment, n: int, info: dict) -> Prediction:
             seconds.append(np.asarray(c.seconds))
     numer = per_req * (full if full is not None else n - n // 2)
     # the requests reach the engine after the frontend: once in the makespan (it cancels in a steady-state rate)
-    readout = Readout(True, float(numer), weights, frontend_s if full is not None else 0.0)
+    readout = Readout(True, float(numer), weights, before_first_step_s if full is not None else 0.0)
     info["steps"] = int(sum(len(s) for s in seconds))
     return Prediction(r, exp.engine, readout.value(seconds), readout, feats, info)
 

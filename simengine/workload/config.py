@@ -151,6 +151,9 @@ class WorkloadConfig(Checked):
                                                                        max=2048))
     shared_prefix_tokens: Annotated[int, Range(0, MAX_TOKENS)] = 0  # identical system prompt at the head of prompts
     client_max_tokens: Tokens | None = None  # max_tokens the client sends; None = exactly the output length
+    # the client sends token ids, not text (an engine API, or a benchmark that tokenises beforehand: trtllm-bench,
+    # LMDeploy's profile scripts, MLPerf's LoadGen): the serving frontend has nothing to tokenise
+    prompt_token_ids: bool = False
     sessions: SessionConfig | None = None
     documents: DocumentPool | None = None  # RAG: prompts = prefix + a shared document + input_tokens of question
     prompt_groups: PromptGroups | None = None  # a fixed pool of prompts sharing group system prompts, cycled

@@ -365,3 +365,23 @@ def test_moe_layout_items_reach_the_deployment_and_its_flags_are_not_reported_as
     assert quoted.params == {"mem_fraction_static": 0.8} and not any("not modelled" in n for n in quoted.notes)
     plain = plan_row(row(**moe, notes=f"serving command {cmd}"))
     assert not plain.scenario.deployment.expert_parallel and not plain.scenario.deployment.attention_dp
+
+
+@pytest.mark.parametrize("notes, token_ids", [
+    ("trtllm-bench throughput v1.0 docs PyTorch backend", True),
+    ("lmdeploy v0.1.0a1 TurboMind (profile_throughput.py; engine API not HTTP)", True),
+    ("bench=benchmark/profile_generation.py via benchmark/benchmark_7b.sh", True),
+    ("an engine API; prompt_token_ids=true", True),
+    ("vLLM v0.11.0; benchmark vllm bench serve --backend openai-chat", False),
+    ("SGLang v0.3.0; bench=python -m sglang.bench_serving --dataset-name sharegpt", False),
+])
+def test_a_client_that_sends_token_ids_has_nothing_tokenised(notes, token_ids):
+    """A benchmark that sends token ids (trtllm-bench, LMDeploy's profile scripts, LoadGen, or the notes' item) runs
+    with workload.prompt_token_ids, and its runner's frontend tokenises nothing; a text client pays 2 us a token."""
+    from simengine.sim.runner import Runner
+    exp = plan_row(row(engine="vllm", model="llama-3.1-8b", weight_dtype="bf16", hardware="h100_sxm", num_gpus=1,
+                       tp=1, num_requests=8, arrival=Arrival(kind="poisson", value=2.0), metric="mean_ttft_ms",
+                       value=50.0, notes=notes))
+    assert isinstance(exp, Experiment)
+    assert exp.scenario.workload.prompt_token_ids is token_ids
+    assert Runner(exp.scenario, exp.entry).tokenize_s_per_token == (0.0 if token_ids else pytest.approx(2e-6))
