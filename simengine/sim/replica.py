@@ -50,7 +50,8 @@ class Replica:
         # running one started: what arrives during a step waits here and joins the queue after the next decision
         self.schedules_ahead = engine.schedules_ahead
         assert not (self.schedules_ahead and engine.repeats_outlast_arrivals), "repeats through arrivals see them"
-        self._stepping = False   # a step is in flight (or just ended, before the decision that follows it)
+        # a step of an engine that schedules ahead is in flight (or just ended, before the decision that follows it)
+        self._stepping = False
         self._inbox: list[Request] = []
         self.process = env.process(self.run())
 
@@ -61,7 +62,7 @@ class Replica:
     def submit(self, req: Request) -> None:
         """Hand a request to the engine (held until the next decision has been taken where it schedules ahead and a
         step is in flight); a rejection is final and reported at once."""
-        if self._stepping and self.schedules_ahead:
+        if self._stepping:
             self._inbox.append(req)
             return
         if not self.engine.add_request(req, self.env.now):
@@ -155,7 +156,7 @@ class Replica:
             self.stall = None
             c = cost.step(out.shape)
             start = env.now
-            self._stepping = True
+            self._stepping = self.schedules_ahead
             yield env.timeout(c.seconds)
             self._complete(out, c, start, env.now)
             # drafts and adapters: each step its own

@@ -4,7 +4,6 @@ scenario's request stream in a SimPy environment."""
 from __future__ import annotations
 
 import functools
-import math
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -65,6 +64,16 @@ class Tier:
         self.router: Router = router(params, len(indices), np.random.default_rng([seed, salt]))
 
 
+@dataclass(slots=True)
+class FrontendBatch:
+    """Requests sent at one instant, tokenised together: they reach the engine at `reach_s`, in the order sent."""
+
+    sent_s: float
+    requests: list[Request]
+    reach_s: float
+    left: bool = False
+
+
 class Runner:
     """Wires arrivals, sessions, routers, replicas and KV links into one SimPy environment."""
 
@@ -99,8 +108,8 @@ class Runner:
         self.tokenize_s_per_token = 0.0 if wl.prompt_token_ids else self.engines[0].timing.tokenize_s_per_token
         # requests leave the frontend in the order they were sent, and those sent at one instant together (a server
         # encodes concurrent prompts as one batch, whose tokens are all ready when its longest prompt is): the
-        # batch of the last send instant, [sent at, its requests, when it reaches the engine]
-        self.frontend_batch: list | None = None
+        # batch of the last send instant
+        self.frontend_batch: FrontendBatch | None = None
         self.detailed_requests = scenario.output.detailed_requests  # ids below keep every token's time
         self.live: dict[int, Request] = {}
         self.waiters: dict[int, simpy.Event] = {}
@@ -155,25 +164,24 @@ class Runner:
         self.live[req.request_id] = req
         ready = req.arrival_s + self.frontend_delay_s(req)
         batch = self.frontend_batch
-        if batch is not None and batch[0] == req.arrival_s and batch[2] >= self.env.now:   # sent with the batch
-            batch[1].append(req)
-            batch[2] = max(batch[2], ready)
+        if batch is not None and batch.sent_s == req.arrival_s and not batch.left:   # sent with the batch
+            batch.requests.append(req)
+            batch.reach_s = max(batch.reach_s, ready)
             return
-        reach = max(ready, batch[2]) if batch is not None else ready   # not before the batch sent before it
-        batch = self.frontend_batch = [req.arrival_s, [req], reach]
-        if reach > self.env.now:   # an open loop waited for frontend_s already
-            self.env.timeout(reach - self.env.now).callbacks.append(lambda _event: self._leave_frontend(batch))
-        else:
-            self._leave_frontend(batch)
+        # not before the batch sent before it (an open loop waited for frontend_s already)
+        reach = ready if batch is None or batch.left else max(ready, batch.reach_s)
+        self.frontend_batch = FrontendBatch(req.arrival_s, [req], reach)
+        self._leave_frontend(self.frontend_batch)
 
-    def _leave_frontend(self, batch: list) -> None:
+    def _leave_frontend(self, batch: FrontendBatch, _event: simpy.Event | None = None) -> None:
         """The frontend hands a batch's requests on, in the order sent, once its longest prompt is tokenised (a
         later request of the batch may have moved that time on: then wait for it)."""
-        if batch[2] > self.env.now:
-            self.env.timeout(batch[2] - self.env.now).callbacks.append(lambda _event: self._leave_frontend(batch))
+        if batch.reach_s > self.env.now:
+            self.env.timeout(batch.reach_s - self.env.now).callbacks.append(functools.partial(self._leave_frontend,
+                                                                                             batch))
             return
-        batch[2] = -math.inf   # left: a request sent at the same instant from now on starts a batch of its own
-        for req in batch[1]:
+        batch.left = True   # a request sent at the same instant from now on starts a batch of its own
+        for req in batch.requests:
             wait = self.scenario.deployment.router_decision_s if len(self.front.indices) > 1 else 0.0
             if req.structured and self.compile_s:
                 # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
