@@ -75,7 +75,8 @@ class StepWork:
                  tp: int = 1, pp: int = 1, expert_parallel: bool = False, attention_dp: bool = False,
                  engine_gemm_flops_s: float | None = None, engine_attention_flops_s: float | None = None,
                  expert_tile_columns: int | None = None, decode_kv_reads: float = 1.0,
-                 dequantize_above_tokens: int | None = None, unfused_attention: UnfusedAttention | None = None):
+                 dequantize_above_tokens: int | None = None, unfused_attention: UnfusedAttention | None = None,
+                 layer_kernels: int | None = None):
         m = self.model = model
         # the FLOP/s the engine reaches on these weights' layer GEMMs where its own kernels or its own way of calling
         # the vendor library set it (EnginePolicy.engine_gemm_flops_s); None: the device's peak at its gemm_fraction
@@ -131,9 +132,11 @@ class StepWork:
         self.attn_flops_per_pair = 2.0 * m.num_heads * (m.qk_head_dim + m.v_head_dim) / at
         self.full_layers, self.sliding_layers, self.window = (m.num_full_attention_layers, m.num_sliding_layers,
                                                               m.sliding_window)
-        # kernels of the token-count ops (each attention op and the LM head count their own)
-        # (MoE layers add the router's GEMM and, with a shared expert, its two)
-        self.token_kernels = (m.num_layers * (GEMM_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER)
+        # kernels of the token-count ops (each attention op and the LM head count their own): `layer_kernels` a layer
+        # where the engine's graph runs them unfused (EnginePolicy.layer_kernels: llama.cpp's ggml graph), else the
+        # fused layer's (MoE layers add the router's GEMM and, with a shared expert, its two)
+        per_layer = layer_kernels or GEMM_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER
+        self.token_kernels = (m.num_layers * per_layer
                               + m.num_moe_layers * (1 + (2 if m.shared_expert_params_per_moe_layer else 0)))
         # communication
         self.allreduce_bytes_per_token = ACT_BYTES * m.hidden_size

@@ -106,6 +106,12 @@ class EnginePolicy(RemoteKV, ABC):
         kernel."""
         return None
 
+    def layer_kernels(self) -> int | None:
+        """Kernels one layer's token-count ops (GEMMs, norms, activation, RoPE, cache writes; not attention) take where
+        the engine's graph runs them unfused, each paying the device's kernel floor (cost/work.py StepWork.
+        token_kernels); None: the fused layer's four GEMMs and four elementwise kernels."""
+        return None
+
     def dequantize_above_tokens(self) -> int | None:
         """Token count above which every step first dequantizes the quantized layer weights to 16 bit for a vendor
         GEMM (cost/work.py StepWork.dequantize_above_tokens); None: GEMMs read the stored weights."""

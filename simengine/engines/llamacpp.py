@@ -107,6 +107,9 @@ class LlamaCppEngine(EnginePolicy):
     def engine_gemm_flops_s(self) -> float | None:
         return llamacpp_kernels.gemm_flops_s(self.dep, self.params.cuda_force_cublas)
 
+    def layer_kernels(self) -> int:
+        return llamacpp_kernels.GGML_LAYER_KERNELS
+
     def dequantize_above_tokens(self) -> int | None:
         return llamacpp_kernels.dequantize_above_tokens(self.dep, self.params.cuda_force_cublas)
 
@@ -135,11 +138,12 @@ class LlamaCppEngine(EnginePolicy):
             frontend_s=NATIVE_FRONTEND_S, tokenize_s_per_token=TOKENIZE_S_PER_TOKEN,
             overlap=False,                                  # one thread: schedule, decode, sample in sequence
             kernel_launch_s=launch_cost_s(hw),
-            # ESTIMATE: ggml llama graph, non-view nodes per layer with flash attention (its unfused kernels instead)
-            kernels_per_layer=18 - 1 + (u.kernels_per_layer if (u := self.unfused_attention()) else 1),
+            # the ggml graph's kernels a layer: the token-count ops' and attention's (one with FlashAttention)
+            kernels_per_layer=self.layer_kernels() + (u.kernels_per_layer if (u := self.unfused_attention()) else 1),
             # ggml-cuda disables CUDA graphs for any batch above one token ("disabling CUDA graphs due to batch
             # size > 1", ggml-cuda.cu check_node_graph_compatibility); Metal/HIP/SYCL/Vulkan/OpenCL have none.
-            cuda_graph_sizes=(1,) if hw.vendor == "nvidia" else (), graph_padding=False, graph_mixed_steps=False)
+            cuda_graph_sizes=(1,) if hw.vendor == "nvidia" and self.params.cuda_graphs else (), graph_padding=False,
+            graph_mixed_steps=False)
 
     # ---- queues -------------------------------------------------------------------------------------
     def num_running(self) -> int:

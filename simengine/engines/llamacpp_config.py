@@ -38,6 +38,9 @@ class LlamaCppParams(Checked):
     # build option GGML_CUDA_FORCE_CUBLAS (off; ggml-org/llama.cpp PR #8075, b3216): quantized weights in ubatches
     # over 32 tokens dequantized to F16 for cuBLAS instead of MMQ, as CUDA builds before b3216 did on tensor-core GPUs
     cuda_force_cublas: bool = False
+    # CUDA graphs for single-token forwards (ggml-cuda, PR #6766, merged 2024-05; GGML_CUDA_DISABLE_GRAPHS=1 turns
+    # them off at run time): off, every kernel of a decode step is launched from the host, as before that PR
+    cuda_graphs: bool = True
     # -fa, --flash-attn: auto (common.h, PR #15434, 2025-08) turns it on where the backend has the kernel, which
     # every backend modelled here has for these models; builds before then ran without it unless -fa was given
     flash_attn: Literal["on", "off", "auto"] = "auto"

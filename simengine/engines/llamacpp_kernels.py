@@ -34,6 +34,11 @@ MMQ_FLOPS_PER_SM_CYCLE = 448.0
 # tensor rate with FP32 accumulation. Applies with MMQ's condition (an NVIDIA device whose YAML gives sm_count and
 # boost_clock_mhz); measured on GA102 only (the GB10's judged depth slope gives 380), not on A100 or Hopper.
 FA_FLOPS_PER_SM_CYCLE = 285.0
+# ggml's llama graph runs a layer's token-count ops unfused (src/models/llama.cpp): the q, k, v, output, gate, up and
+# down projections as seven matrix multiplications, and RMS norm, its weight multiply (twice), RoPE of q and k, the
+# K and V cache writes, two residual adds, SiLU and the gate product as their own kernels; attention comes on top.
+# ESTIMATE: 17 kernels a layer (the graph's non-view nodes; builds that fuse norm and multiply have a few fewer).
+GGML_LAYER_KERNELS = 17
 MMQ_MAX_TILE_COLUMNS = 128   # mmq_x_max with tensor-core MMA (Turing and later; ggml-cuda/mmq.cuh mul_mat_q_case)
 # ggml-metal multiplies matrices with its own kernels (ggml-metal.metal kernel_mul_mm: 8x8 simdgroup tiles, weights
 # converted to half in threadgroup memory) for batches over a few tokens, not with Apple's MPS GEMM that the device's

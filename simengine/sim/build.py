@@ -101,7 +101,7 @@ def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: st
                     engine_attention_flops_s=engine.engine_attention_flops_s(),
                     expert_tile_columns=engine.expert_tile_columns(), decode_kv_reads=engine.decode_kv_reads(),
                     dequantize_above_tokens=engine.dequantize_above_tokens(),
-                    unfused_attention=engine.unfused_attention())
+                    unfused_attention=engine.unfused_attention(), layer_kernels=engine.layer_kernels())
     hw = apply_device_terms(d.hardware, trial_device_terms(d.hardware.name))
     gpu = _kernels(work, hw, engine, timing, kernels)
     proposer = None

@@ -13,7 +13,7 @@ from simengine.config.scenario import EngineEntry, Scenario
 from simengine.core.batch import BatchShape
 from simengine.core.request import Status
 from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
-from simengine.engines.llamacpp_kernels import FA_FLOPS_PER_SM_CYCLE, MMQ_FLOPS_PER_SM_CYCLE
+from simengine.engines.llamacpp_kernels import FA_FLOPS_PER_SM_CYCLE, GGML_LAYER_KERNELS, MMQ_FLOPS_PER_SM_CYCLE
 from simengine.errors import InputError
 from simengine.sim.build import build_engine, cost_model
 from tests.conftest import make_dep, make_request
@@ -216,6 +216,44 @@ def test_cuda_graph_only_for_single_token_batches():
     assert out.shape.num_decode == 2 and not out.shape.cuda_graph
     metal = engine(make_dep("apple_m2_ultra", model="llama-2-7b", weight_dtype="q4_0"))
     assert metal.timing.cuda_graph_sizes == () and metal.timing.kernel_launch_s > 0
+
+
+def test_cuda_graphs_off_launches_every_decode_kernel_from_the_host():
+    """GGML_CUDA_DISABLE_GRAPHS=1, or a build before PR #6766: a single-token forward is launched kernel by kernel,
+    so it is an eager step lasting at least the host's launches of the whole ggml graph."""
+    dep = make_dep("h100_pcie", model="llama-2-7b", weight_dtype="q4_k_m")
+    steps = {}
+    for graphs in (True, False):
+        eng = engine(dep, cuda_graphs=graphs)
+        eng.add_request(make_request(20, 5), 0.0)
+        run_step(eng)
+        out, _ = run_step(eng, 0.01)
+        assert out.shape.num_decode == 1
+        steps[graphs] = out.shape
+        assert eng.timing.cuda_graph_sizes == ((1,) if graphs else ())
+    assert steps[True].cuda_graph and not steps[False].cuda_graph
+    eager = cost_model(engine(dep, cuda_graphs=False))
+    assert eager.launch_s == pytest.approx(eager.timing.kernel_launch_s * (GGML_LAYER_KERNELS + 1) * 32)
+    assert eager.step(steps[False]).seconds >= eager.launch_s
+
+
+def test_every_kernel_of_the_unfused_ggml_graph_pays_the_device_floor():
+    """ggml's llama graph runs q, k, v, output, gate, up and down as seven GEMMs and every norm, RoPE, cache write
+    and residual add as its own kernel: a step's token-count ops pay the kernel floor GGML_LAYER_KERNELS times a
+    layer, the count its eager launches use too, where an engine with fused layers pays eight."""
+    dep = make_dep("a100_80g_sxm", model="llama-2-7b", weight_dtype="q4_0")
+    eng = engine(dep)
+    cost = cost_model(eng)
+    assert cost.kernels.token_features(np.array([1.0]))["floors"][0] == 32 * GGML_LAYER_KERNELS
+    assert eng.timing.kernels_per_layer == GGML_LAYER_KERNELS + 1   # FlashAttention: one kernel
+    vllm = build_engine(EngineEntry(engine="vllm"), make_dep("a100_80g_sxm", model="llama-2-7b"))
+    assert cost_model(vllm, kernels="roofline").kernels.token_features(np.array([1.0]))["floors"][0] == 32 * 8
+    # the floors are GPU time: with the floor at zero a one-token step is that many floors shorter
+    floor = cost.kernels.terms.kernel_floor_s
+    bare = dataclasses.replace(cost.kernels.terms, kernel_floor_s=0.0)
+    f = cost.kernels.token_features(np.array([1.0]))
+    from simengine.cost.roofline import price
+    assert price(f, cost.kernels.terms)[0][0] - price(f, bare)[0][0] == pytest.approx(32 * GGML_LAYER_KERNELS * floor)
 
 
 def test_quantized_gemms_run_at_the_mmq_rate_per_sm_cycle_not_the_tensor_peak():
