@@ -181,8 +181,9 @@ class Runner:
                                                                                              batch))
             return
         batch.left = True   # a request sent at the same instant from now on starts a batch of its own
+        decision_s = self.scenario.deployment.router_decision_s if len(self.front.indices) > 1 else 0.0
         for req in batch.requests:
-            wait = self.scenario.deployment.router_decision_s if len(self.front.indices) > 1 else 0.0
+            wait = decision_s
             if req.structured and self.compile_s:
                 # the grammar compiles before the scheduler may run the request (vLLM skips it until ready,
                 # SGLang keeps it in a grammar queue): it reaches the engine compile_s later
