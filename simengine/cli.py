@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from simengine.errors import CannotRun, InputError
@@ -98,11 +100,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engines_arg(text: str | None, scenario):
     from simengine.api import engine_entries
-    if not text:
+    if text is None:
         return engine_entries(scenario, None)
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
-        raise InputError("--engines is empty; give e.g. --engines vllm,sglang", field="--engines")
+        raise InputError("is empty; give e.g. --engines vllm,sglang", field="--engines")
+    from simengine.engines import ENGINES
+    labels = {e.display for e in scenario.engines}
+    for name in names:
+        if name not in labels:
+            ENGINES.get(name, field="--engines")   # an unknown name: one line with the valid ones
     return engine_entries(scenario, list(names))
 
 
@@ -296,7 +303,7 @@ def cmd_recommend(args) -> int:
     from simengine.sim.build import build_deployment
 
     scenario = load_scenario(args.scenario, args.set)
-    engines = _engines_arg(args.engines, scenario) if args.engines else None
+    engines = _engines_arg(args.engines, scenario) if args.engines is not None else None
     limits = parse_slo(args.slo)
     if args.priority not in PRIORITIES:
         raise InputError(f"'{args.priority}' is not a priority; use one of {', '.join(PRIORITIES)}",
@@ -378,9 +385,16 @@ def cmd_sweep(args) -> int:
                                                                     "params": e.params}
                                     for e in scenario.engines])
     points = grid.points()
+    from simengine.config.hardware import load_hardware
+    from simengine.config.model import load_model
     for p in points:   # every point's configuration is read before any runs: a typo stops the sweep here
         try:
-            load_scenario(args.scenario, args.set + sw.overrides(p))
+            sc = load_scenario(args.scenario, args.set + sw.overrides(p))
+            for d in (sc.deployment, *(sc.pools or ()), *(q for e in sc.engines for q in e.pools or ())):   # names
+                if d.hardware:
+                    load_hardware(d.hardware)
+                if d.model:
+                    load_model(d.model)
         except InputError as exc:
             where = ", ".join(f"{k}={sw.label(v)}" for k, v in p.items())
             raise InputError(f"the point {where}: {exc}", field="--grid") from None
@@ -420,7 +434,8 @@ def cmd_list(args) -> int:
             cls = ENGINES.get(name)
             doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()
             print(f"{name:9s} {doc[0] if doc else ''}")
-            print(f"{'':9s} runs on: {', '.join(sorted(cls.vendors))} ({', '.join(sorted(cls.device_classes))})")
+            print(f"{'':9s} runs on: {', '.join(sorted(cls.vendors))} ({', '.join(sorted(cls.device_classes))})"
+                  + ("" if cls.gaudi_backend or "intel" not in cls.vendors else "; no Gaudi (HPU) backend"))
     elif args.what == "routers":
         from simengine.routers import ROUTERS
         for name in ROUTERS.names():
@@ -482,6 +497,35 @@ def _checked(progress):
     return tick
 
 
+def _check_writable(flag: str, value: str | None, *, folder: bool) -> None:
+    """Refuse an output path the run could not write, before minutes of simulating: a folder flag naming a file,
+    a file flag naming a folder, an empty path, or a path under something that is not a writable folder."""
+    if value is None:
+        return
+    kind = "folder" if folder else "file"
+    if not value.strip():
+        raise InputError(f"is empty; give a {kind} path", field=flag)
+    path = Path(value)
+    if path.exists() and path.is_dir() != folder:
+        raise InputError(f"'{value}' is a {'file' if folder else 'folder'}; give a {kind} path", field=flag)
+    base = path if folder and path.is_dir() else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise InputError(f"'{value}' is under '{base}', which is a file; give a {kind} path", field=flag)
+    try:   # a real probe (root passes os.access everywhere, /proc refuses anyway); nothing is left behind
+        os.rmdir(tempfile.mkdtemp(prefix=".simengine-probe-", dir=base))
+    except OSError:
+        raise InputError(f"'{base}' is not writable; give a {kind} you can write to", field=flag) from None
+
+
+def _check_outputs(args) -> None:
+    for flag, folder in (("out", True), ("plots", True), ("accuracy", False)):
+        if flag == "plots" and getattr(args, "no_plots", False):
+            continue
+        _check_writable(f"--{flag}", getattr(args, flag, None), folder=folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     _progress.update(kept="nothing", signalled=False)
     try:
@@ -490,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         previous = {}
     try:
         args = _parser().parse_args(argv)
+        _check_outputs(args)
         if args.command in ("run", "compare"):
             return cmd_run(args)
         if args.command == "list":

@@ -57,6 +57,7 @@ def _workdir(base: Path) -> Path:
     work = base / "inputs"
     shutil.copytree(INPUTS, work)
     (work / "scenarios.yaml").mkdir()  # cli/scenario_is_directory
+    (work / "a_file.txt").write_text("a file where a folder is expected\n")  # cli/out_is_a_file and others
     return work
 
 

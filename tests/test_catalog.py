@@ -112,6 +112,17 @@ def test_hardware_dir_has_vendor_subfolders():
     assert {p.name for p in HARDWARE_DIR.iterdir() if p.is_dir()} >= {"nvidia", "amd", "huawei", "apple"}
 
 
+def test_a_catalog_file_in_another_vendors_folder_is_refused(tmp_path, monkeypatch):
+    import simengine.config.hardware as hardware
+    (tmp_path / "amd").mkdir()
+    misplaced = tmp_path / "amd" / "h100_sxm.yaml"
+    misplaced.write_text((HARDWARE_DIR / "nvidia" / "h100_sxm.yaml").read_text())
+    monkeypatch.setattr(hardware, "HARDWARE_DIR", tmp_path)
+    with pytest.raises(InputError, match="vendor 'nvidia' must equal the catalog folder 'amd'") as e:
+        hardware.load_hardware_file(misplaced)
+    assert e.value.field == "vendor"
+
+
 # ---- the most-served open architectures: shapes the loader derives from their published config.json ----------------
 
 def test_llama_3_is_llama_3_1_shaped_with_an_8k_context():

@@ -144,7 +144,7 @@ def test_a_third_tier_on_disk_serves_what_host_memory_evicted_at_the_disk_s_cost
         assert s == pytest.approx(want)
     with pytest.raises(InputError) as exc:
         engine_of("vllm", {"kv_offloading_size": 1.0, "lmcache_max_local_disk_size": 4.0})
-    assert exc.value.field == "lmcache_max_local_disk_size"
+    assert exc.value.field == "engines[vllm].params.lmcache_max_local_disk_size"
 
 
 def test_trtllm_onboarding_adds_its_copy_to_the_step():
@@ -191,13 +191,13 @@ def test_offload_settings_that_cannot_work_name_the_knob():
     with pytest.raises(InputError, match="host_link") as exc:   # the H20 YAML describes no host link
         build_engine(EngineEntry(engine="vllm", params={"kv_offloading_size": 4.0}),
                      make_dep(hardware="h20"))
-    assert exc.value.field == "kv_offloading_size"
+    assert exc.value.field == "engines[vllm].params.kv_offloading_size"
     with pytest.raises(InputError, match="prefix cache") as exc:
         engine_of("vllm", {"kv_offloading_size": 4.0, "enable_prefix_caching": False})
-    assert exc.value.field == "kv_offloading_size"
+    assert exc.value.field == "engines[vllm].params.kv_offloading_size"
     with pytest.raises(InputError) as exc:
         engine_of("trtllm", {"host_cache_size": 1000})
-    assert exc.value.field == "host_cache_size"
+    assert exc.value.field == "engines[trtllm].params.host_cache_size"
     with pytest.raises(InputError, match="not modelled") as exc:
         engine_of("sglang", {"enable_hierarchical_cache": True, "hicache_write_policy": "write_back"})
-    assert exc.value.field == "hicache_write_policy"
+    assert exc.value.field == "engines[sglang].params.hicache_write_policy"

@@ -176,13 +176,13 @@ def test_lora_settings_that_cannot_work_are_refused():
             plan_pools(sc, sc.engines[0])
     with pytest.raises(InputError) as exc:
         vllm(max_loras=4, max_cpu_loras=2)
-    assert exc.value.field == "max_cpu_loras"
+    assert exc.value.field == "engines[vllm].params.max_cpu_loras"
     eng = vllm(max_lora_rank=16)
     req = make_request(10, 2, lora_id=1, lora_rank=64)
     assert not eng.add_request(req, 0.0) and "max_lora_rank" in req.fail_reason
     with pytest.raises(InputError) as exc:
         build_engine(EngineEntry(engine="sglang", params={"enable_lora": True}), make_dep())
-    assert exc.value.field == "max_lora_rank"
+    assert exc.value.field == "engines[sglang].params.max_lora_rank"
 
 
 def test_more_adapter_slots_cut_ttft_in_the_tenants_scenario():

@@ -55,10 +55,10 @@ def test_a_set_variant_goes_beside_the_baseline():
 
 def test_failures_are_counted_by_reason(tmp_path):
     r = run_cli("run", "agent_multiturn", "--engines", "vllm", "--no-plots", "--out", str(tmp_path),
-                "--set", "horizon_s=5", "--set", "engines=[{engine: vllm, params: {max_model_len: 3000}}]")
+                "--set", "horizon_s=5", "--set", "engines=[{engine: vllm, params: {max_model_len: 4000}}]")
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("vllm:") and "failed:" in ln]
-    assert line and "exceeds max_model_len 3000" in line[0], r.stdout
+    assert line and "exceeds max_model_len 4000" in line[0], r.stdout
     summary = json.loads(next(tmp_path.rglob("vllm/summary.json")).read_text())
     assert sum(summary["failure_reasons"].values()) == summary["failed"] > 0
 
@@ -73,6 +73,20 @@ def test_an_engine_that_cannot_serve_the_deployment_is_listed_and_the_others_run
     assert [p.parent.name for p in tmp_path.rglob("summary.json")] == ["vllm"]
     alone = run_cli("run", "agent_multiturn", "--engines", "sglang", *common)   # the only engine asked for
     assert alone.returncode == 2 and "does not fit" in alone.stderr and "Traceback" not in alone.stderr
+
+
+def test_an_engine_refusing_every_prompt_or_the_weights_is_listed_and_the_others_run(tmp_path):
+    """Audit 2026-12-06: these once aborted the whole comparison (or ran it with every request failed)."""
+    cases = (("engines=[{engine: vllm, params: {max_model_len: 1000}}, sglang]", "vllm", "exceeds max_model_len 1000"),
+             ("engines=[vllm, sglang]", "sglang", "needs fp8 tensor cores"))   # vLLM runs FP8 weight-only there
+    for engines, refused, why in cases:
+        r = run_cli("run", "agent_multiturn", "--no-plots", "--out", str(tmp_path / refused), "--set", "horizon_s=3",
+                    "--set", engines, "--set", "deployment.hardware=a100_80g_sxm", "--set",
+                    "deployment.weight_dtype=" + ("fp8" if refused == "sglang" else "bf16"))
+        assert r.returncode == 0, r.stderr
+        assert any(ln.startswith(f"{refused}: did not run:") and why in ln for ln in r.stdout.splitlines()), r.stdout
+        ran = [p.parent.name for p in (tmp_path / refused).rglob("summary.json")]
+        assert ran == [{"vllm": "sglang", "sglang": "vllm"}[refused]]
 
 
 def test_compare_takes_engine_names():

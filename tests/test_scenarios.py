@@ -29,6 +29,7 @@ def test_scenario_runs_short(name):
         pytest.skip(f"trace file {sc.workload.trace.path} absent")
     first = Path(scenario_files()[name]).read_text().splitlines()[0]
     assert first.startswith("# Question:"), "each scenario says what question it answers in its first line"
+    assert sc.name == name, "a scenario's name is its file name: results go to results/<name>/"
     results = compare(short(name))
     assert len(results) == len(sc.engines)
     for label, r in results.items():

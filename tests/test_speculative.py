@@ -176,7 +176,7 @@ def test_bad_speculative_settings_name_the_field():
     for engine, params, field in cases:
         with pytest.raises(InputError) as exc:
             engine_of(engine, params)
-        assert exc.value.field == field
+        assert exc.value.field == f"engines[{engine}].params.{field}"
     with pytest.raises(InputError, match="tokenizer") as exc:   # Llama-2's 32k vocabulary against Llama-3.2's
         engine_of("vllm", spec_params("vllm", "draft_model", 3), model="llama-2-7b")
     with pytest.raises(InputError):

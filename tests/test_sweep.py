@@ -104,6 +104,8 @@ def test_no_point_dominates_the_pareto_front(points):
     ("axes:\n  engines: [vllm]\n", "axes.engines"),
     ("axes:\n  workload.arrival.rate: 3\n", "axes.workload.arrival.rate"),
     ("points: []\n", "axes"),
+    ("axes:\n  deployment.hardware: [h100_sxm, h100_sxmm]\n", "did you mean 'h100_sxm'"),   # a name, not a key
+    ("axes:\n  deployment.model: [llama-3.1-8b, llama-9-8b]\n", "unknown model 'llama-9-8b'"),
 ])
 def test_bad_grids_exit_2_with_one_line(tmp_path, text, field):
     g = _grid(tmp_path, text)

@@ -272,6 +272,9 @@ def load_hardware_file(path: Path) -> Hardware:
     y = from_dict(HardwareYaml, data, source=str(path))
     if y.name != path.stem:
         raise InputError(f"name '{y.name}' must equal the file name '{path.stem}'", source=str(path), field="name")
+    if path.parent.parent == HARDWARE_DIR and y.vendor != path.parent.name:
+        raise InputError(f"vendor '{y.vendor}' must equal the catalog folder '{path.parent.name}'; move the file to "
+                         f"hardware/{y.vendor}/ or correct the vendor", source=str(path), field="vendor")
     return _to_hardware(y, path)
 
 

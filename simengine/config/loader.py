@@ -169,7 +169,7 @@ def load_yaml(path: Path) -> Any:
     return data
 
 
-def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
+def from_dict(cls: type, data: Any, *, source: str | None, field: str = "") -> Any:
     """Build dataclass `cls` from `data`, rejecting unknown keys and mistyped values with the field path."""
     if isinstance(data, cls):
         return data
@@ -186,7 +186,8 @@ def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
         path = f"{field}.{key}" if field else str(key)
         if key not in fields:
             raise InputError(
-                f"unknown key{did_you_mean(key, fields)}; valid keys: {', '.join(sorted(fields))}",
+                f"unknown key{did_you_mean(key, fields)}; valid keys: "
+                f"{', '.join(sorted(fields)) or 'none (remove it)'}",
                 source=source, field=path)
         kwargs[key] = convert(hints[key], value, source=source, field=path)
     for name, f in fields.items():
@@ -201,7 +202,7 @@ def from_dict(cls: type, data: Any, *, source: str, field: str = "") -> Any:
         raise InputError(str(exc), source=source, field=field or None) from None
 
 
-def convert(tp: Any, value: Any, *, source: str, field: str) -> Any:
+def convert(tp: Any, value: Any, *, source: str | None, field: str) -> Any:
     """Convert one YAML value to type `tp` (scalars, Optional, Literal, list, tuple, dict, dataclass)."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from simengine.config.hardware import Hardware
 from simengine.core.batch import BatchShape, SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import EngineTiming
@@ -36,6 +37,7 @@ class EnginePolicy(RemoteKV, ABC):
     Params: ClassVar[type]
     vendors: ClassVar[frozenset[str]]        # hardware vendors the engine supports
     device_classes: ClassVar[frozenset[str]] = frozenset({"datacenter", "workstation", "consumer"})
+    gaudi_backend: ClassVar[bool] = True     # False: no Intel Gaudi (HPU) backend although it runs on Intel GPUs
     support_source: ClassVar[str] = ""
     supports_expert_parallel: ClassVar[bool] = False
     supports_attention_dp: ClassVar[bool] = False   # deployment.attention_dp: one scheduler per rank of a group
@@ -43,6 +45,12 @@ class EnginePolicy(RemoteKV, ABC):
     # an arrival during proved repeats only queues, add_request reads nothing they change, and nothing but arrivals
     # reaches the engine (no KV loads): on a replica alone the repeats run on through arrivals (sim/replica.py)
     repeats_outlast_arrivals: ClassVar[bool] = False
+
+    @classmethod
+    def runs_on(cls, hw: Hardware) -> bool:
+        """Whether the engine has a backend for the device: its vendors and classes (and Gaudi's HPU runtime)."""
+        gaudi = hw.name.startswith("gaudi")
+        return hw.vendor in cls.vendors and hw.device_class in cls.device_classes and (cls.gaudi_backend or not gaudi)
     research_baseline: ClassVar[bool] = False  # a scheduling policy from a paper, not a product one deploys
     # an overlapped loop (timing.overlap) that schedules step k+1 before step k runs, after receiving new requests
     # (`schedules_ahead`); False where overlap only hides host work
@@ -267,11 +275,18 @@ class EnginePolicy(RemoteKV, ABC):
         req.fail_reason = reason
         return False
 
-    def check_length(self, req: Request) -> bool:
-        """Reject prompts that leave no room to generate within max_model_len (engines answer HTTP 400)."""
-        if req.prompt_len + 1 > self.max_model_len:
-            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}")
-        return True
+    def refusal(self, req: Request) -> str | None:
+        """Why the engine refuses `req` at admission whatever its state (the request's lengths against the
+        engine's limits; engines answer HTTP 400), or None. Pure: a run checks its shortest prompt with it before
+        simulating (sim/build.py), and `admit_length` rejects with it."""
+        if req.prompt_len + 1 > self.max_model_len:   # no room to generate within max_model_len
+            return f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}"
+        return None
+
+    def admit_length(self, req: Request) -> bool:
+        """Reject `req` (False) where `refusal` gives a reason."""
+        reason = self.refusal(req)
+        return True if reason is None else self.reject(req, reason)
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Advance computed tokens; a request that caught up samples one token; finished ones are released."""

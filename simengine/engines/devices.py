@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from simengine.config.hardware import Hardware
-from simengine.errors import InputError
 
 ALL_VENDORS = frozenset({"nvidia", "amd", "huawei", "apple", "intel", "qualcomm"})
 ALL_CLASSES = frozenset({"datacenter", "workstation", "consumer", "edge", "mobile"})
@@ -21,10 +20,3 @@ def launch_cost_s(hw: Hardware) -> float:
     """Per-kernel dispatch cost by runtime. ESTIMATE: CUDA/HIP ~4 us (NVIDIA Best Practices), Metal encode ~5 us,
     OpenCL on Adreno ~10 us (enqueue through the Android driver)."""
     return {"apple": 5e-6, "qualcomm": 10e-6}.get(hw.vendor, 4e-6)
-
-
-def refuse_gaudi(hw: Hardware, engine: str) -> None:
-    """Engines without an Intel Gaudi (HPU) backend refuse it with the alternatives."""
-    if hw.name.startswith("gaudi"):
-        raise InputError(f"{engine} has no Intel Gaudi (HPU) backend; choose a GPU (Intel Arc via SYCL/Vulkan) "
-                         f"or another engine", field="deployment.hardware")

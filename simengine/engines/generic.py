@@ -80,7 +80,7 @@ class GenericEngine(PagedEngine):
 
     # ---- queues -------------------------------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
+        if not self.admit_length(req):
             return False
         self.waiting.append(req)
         return True

@@ -61,6 +61,7 @@ class LlamaCppEngine(EnginePolicy):
     Params = LlamaCppParams
     vendors = frozenset({"nvidia", "amd", "apple", "intel", "qualcomm", "huawei"})
     device_classes = ALL_CLASSES
+    gaudi_backend = False
     support_source = ("llama.cpp README 'Supported backends' + docs/build.md: CUDA (incl. Jetson), HIP (AMD), Metal "
                       "(Apple), SYCL/Vulkan (Intel GPUs), OpenCL (Qualcomm Adreno, docs/backend/OPENCL.md), CANN "
                       "(Ascend NPU); no Gaudi backend")
@@ -165,10 +166,15 @@ class LlamaCppEngine(EnginePolicy):
         self.clock += 1
         return self.clock
 
-    def add_request(self, req: Request, now: float) -> bool:
+    def refusal(self, req: Request) -> str | None:
         if req.prompt_len >= self.n_ctx_slot:
-            return self.reject(req, f"request ({req.prompt_len} tokens) exceeds the available context size "
-                                    f"({self.n_ctx_slot} tokens), try increasing it")
+            return (f"request ({req.prompt_len} tokens) exceeds the available context size ({self.n_ctx_slot} "
+                    "tokens), try increasing it")
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         self.queue.append(req)
         return True
 

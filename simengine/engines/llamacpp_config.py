@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from simengine.config.dtypes import WEIGHT_FORMATS
 from simengine.config.loader import MAX_TOKENS, Checked, Range, Sequences, Share, Tokens
-from simengine.engines.devices import gpu_visible_bytes, refuse_gaudi
+from simengine.engines.devices import gpu_visible_bytes
 from simengine.engines.memory import GIB, Deployment, activation_reserve_bytes
 from simengine.engines.speculative import AcceptanceDataset, AcceptanceKnobs, AcceptanceRates, Speculation, resolve
 from simengine.errors import CannotRun, InputError
@@ -68,18 +68,17 @@ class LlamaCppParams(Checked):
 
 
 def llamacpp_check_deployment(dep: Deployment) -> None:
-    """Refuse what llama.cpp cannot run: Gaudi, non-GGUF weights, an fp8 KV cache, tensor parallelism."""
-    refuse_gaudi(dep.hardware, "llama.cpp")
+    """Refuse what llama.cpp cannot run: non-GGUF weights, an fp8 KV cache, tensor parallelism."""
     if dep.weight_format.name not in GGUF_WEIGHT_DTYPES:
-        raise InputError(f"llama.cpp runs GGUF weights; '{dep.weight_format.name}' has no ggml type; valid: "
-                         f"{', '.join(GGUF_WEIGHT_DTYPES)} (q8_0, q4_0 and q4_k_m are GGUF's 8- and 4-bit formats)",
-                         field="deployment.weight_dtype")
+        raise CannotRun(f"llama.cpp runs GGUF weights; '{dep.weight_format.name}' has no ggml type; valid: "
+                        f"{', '.join(GGUF_WEIGHT_DTYPES)} (q8_0, q4_0 and q4_k_m are GGUF's 8- and 4-bit formats)",
+                        field="deployment.weight_dtype")
     if dep.kv_dtype == "fp8":
-        raise InputError("llama.cpp has no fp8 KV cache type (-ctk/-ctv: f16, bf16, q8_0, q4_0, ...); use bf16, "
-                         "int8 (~q8_0) or int4 (~q4_0)", field="deployment.kv_dtype")
+        raise CannotRun("llama.cpp has no fp8 KV cache type (-ctk/-ctv: f16, bf16, q8_0, q4_0, ...); use bf16, "
+                        "int8 (~q8_0) or int4 (~q4_0)", field="deployment.kv_dtype")
     if dep.tp > 1:
-        raise InputError("llama.cpp splits layers across devices (--split-mode layer, the default), not tensors; "
-                         "use deployment.pp instead of tp", field="deployment.tp")
+        raise CannotRun("llama.cpp splits layers across devices (--split-mode layer, the default), not tensors; "
+                        "use deployment.pp instead of tp", field="deployment.tp")
 
 
 def gguf_tensor_types(dep: Deployment) -> Deployment:

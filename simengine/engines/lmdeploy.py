@@ -37,7 +37,7 @@ from simengine.engines.lmdeploy_config import (
     turbomind_max_batch_size,
 )
 from simengine.engines.memory import NON_TORCH_BYTES, Deployment, kv_tokens_or_refuse
-from simengine.errors import InputError
+from simengine.errors import CannotRun
 from simengine.kvcache.hashing import block_hashes
 from simengine.kvcache.manager import NO_HIT, KVCacheManager, PrefixHit
 
@@ -55,8 +55,8 @@ class LmdeployEngine(EnginePolicy):
     def __init__(self, params: LmdeployParams, dep: Deployment):
         p = params
         if dep.weight_format.name in GGML_FORMATS:
-            raise InputError(f"TurboMind does not load ggml {dep.weight_format.name} weights; use bf16/fp16, int4 "
-                             "(AWQ/GPTQ W4A16) or fp8", field="deployment.weight_dtype")
+            raise CannotRun(f"TurboMind does not load ggml {dep.weight_format.name} weights; use bf16/fp16, int4 "
+                            "(AWQ/GPTQ W4A16) or fp8", field="deployment.weight_dtype")
         dep = turbomind_kv(dep, p.quant_policy)
         self.max_batch_size = p.max_batch_size or turbomind_max_batch_size(dep)
         self.max_forward_tokens = p.max_prefill_token_num + self.max_batch_size
@@ -123,12 +123,16 @@ class LmdeployEngine(EnginePolicy):
         """Prompt tokens not recomputed at first admission (trie hits and resumed sessions)."""
         return self._query_tokens, self._hit_tokens
 
-    def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
-            return False
+    def refusal(self, req: Request) -> str | None:
+        if (reason := super().refusal(req)) is not None:
+            return reason
         if req.prompt_len > self.max_context_token_num:
-            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_context_token_num "
-                                    f"{self.max_context_token_num}")
+            return f"prompt of {req.prompt_len} tokens exceeds max_context_token_num {self.max_context_token_num}"
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         req.output_len = min(req.output_len, self.max_model_len - req.prompt_len)  # generation stops at session_len
         self.queue.append(req)
         return True

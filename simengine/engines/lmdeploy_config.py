@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from simengine.config.dtypes import kv_bytes
 from simengine.config.loader import BlockTokens, Checked, Range, Sequences, Tokens
 from simengine.engines.memory import Deployment
-from simengine.errors import InputError
+from simengine.errors import CannotRun, InputError
 
 # utils.py get_max_batch_size: substring of the CUDA device name -> default max_batch_size (others 128)
 MAX_BATCH_BY_DEVICE = {"a100": 384, "a800": 384, "h100": 1024, "h800": 1024, "l20y": 1024, "h200": 1024}
@@ -68,8 +68,8 @@ def turbomind_max_batch_size(dep: Deployment) -> int:
 def turbomind_kv(dep: Deployment, quant_policy: int) -> Deployment:
     """The deployment with TurboMind's KV format: quant_policy (or an int8/int4 kv_dtype) sets bytes per token."""
     if dep.kv_dtype == "fp8":
-        raise InputError("TurboMind has no FP8 KV cache (messages.py accepts quant_policy 0, 4 or 8); use "
-                         "kv_dtype int8 or int4, or params.quant_policy", field="deployment.kv_dtype")
+        raise CannotRun("TurboMind has no FP8 KV cache (messages.py accepts quant_policy 0, 4 or 8); use "
+                        "kv_dtype int8 or int4, or params.quant_policy", field="deployment.kv_dtype")
     implied = {v: k for k, v in KV_BY_QUANT_POLICY.items()}.get(dep.kv_dtype, 0)
     if quant_policy and implied and quant_policy != implied:
         raise InputError(f"quant_policy {quant_policy} contradicts deployment.kv_dtype {dep.kv_dtype}",

@@ -19,7 +19,7 @@ from simengine.core.batch import SchedulerOutput, StepResult
 from simengine.core.request import Request, Status
 from simengine.cost.timing import NATIVE_SEQ_CPU_S, PYTHON_FRONTEND_S, TOKENIZE_S_PER_TOKEN, EngineTiming
 from simengine.engines.base import ENGINES, EnginePolicy
-from simengine.engines.devices import ALL_CLASSES, launch_cost_s, refuse_gaudi
+from simengine.engines.devices import ALL_CLASSES, launch_cost_s
 from simengine.engines.memory import Deployment
 from simengine.engines.mlc_config import MlcParams, mlc_engine_config
 from simengine.kvcache.hashing import block_hashes
@@ -33,6 +33,7 @@ class MlcEngine(EnginePolicy):
     Params = MlcParams
     vendors = frozenset({"nvidia", "amd", "apple", "intel", "qualcomm"})
     device_classes = ALL_CLASSES
+    gaudi_backend = False
     support_source = ("MLC-LLM docs (install, deploy): CUDA incl. Jetson, ROCm, Vulkan (AMD/Intel/NVIDIA), Metal "
                       "(Apple), OpenCL on Android (Qualcomm Adreno), WebGPU; no Ascend or Gaudi backend")
     # repeat_steps proves no waiting request can prefill during the repeats (the batch is full, or the queue head
@@ -40,7 +41,6 @@ class MlcEngine(EnginePolicy):
     repeats_outlast_arrivals = True
 
     def __init__(self, params: MlcParams, dep: Deployment):
-        refuse_gaudi(dep.hardware, "mlc")
         self.cfg = c = mlc_engine_config(params, dep)
         self.step_token_limit, self.batch_size_limit = c.prefill_chunk_size, c.max_num_sequence
         super().__init__(params, dep)
@@ -96,13 +96,18 @@ class MlcEngine(EnginePolicy):
         pages = self.kv.blocks_for(num_tokens) + 1 + (chunks if chunks > 1 else 0)
         return num_tokens + DECODE_WATERMARK <= c.max_total_sequence_length and pages <= self.kv.num_blocks
 
-    def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
-            return False
+    def refusal(self, req: Request) -> str | None:
+        if (reason := super().refusal(req)) is not None:
+            return reason
         if not self._fits_ever(req.prompt_len):
-            return self.reject(req, f"prompt of {req.prompt_len} tokens plus the {DECODE_WATERMARK}-step decode "
-                                    f"watermark exceeds max_total_sequence_length {self.cfg.max_total_sequence_length}"
-                                    f" (mode={self.params.mode}); MLC would keep it waiting forever")
+            return (f"prompt of {req.prompt_len} tokens plus the {DECODE_WATERMARK}-step decode watermark exceeds "
+                    f"max_total_sequence_length {self.cfg.max_total_sequence_length} (mode={self.params.mode}); MLC "
+                    "would keep it waiting forever")
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         self.waiting.append(req)
         return True
 

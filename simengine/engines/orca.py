@@ -91,16 +91,20 @@ class OrcaEngine(PagedEngine):
             return self.max_model_len
         return req.prompt_len + req.max_tokens
 
-    def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
-            return False
+    def refusal(self, req: Request) -> str | None:
+        if (reason := super().refusal(req)) is not None:
+            return reason
         need = self.reservation(req)
         if req.prompt_len + req.max_tokens > need:
-            return self.reject(req, f"prompt + max_tokens {req.prompt_len + req.max_tokens} overruns the "
-                                    f"max_model_len reservation of {need}")
+            return (f"prompt + max_tokens {req.prompt_len + req.max_tokens} overruns the max_model_len reservation "
+                    f"of {need}")
         if self.kv.blocks_for(need) > self.kv.num_blocks:
-            return self.reject(req, f"its reservation of {need} KV tokens exceeds the pool of "
-                                    f"{self.kv_capacity_tokens()}")
+            return f"its reservation of {need} KV tokens exceeds the pool of {self.kv_capacity_tokens()}"
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         self.waiting.append(req)
         return True
 

@@ -99,11 +99,16 @@ class SarathiEngine(PagedEngine):
                             seq_cpu_s=PYTHON_SEQ_CPU_S)
 
     # ---- queues -------------------------------------------------------------------------------------
-    def add_request(self, req: Request, now: float) -> bool:
+    def refusal(self, req: Request) -> str | None:
         if req.prompt_len > self.max_model_len:  # _check_request_prompt_length: prompt beyond max_model_len
-            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}")
+            return f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}"
         if self.kv.blocks_for(req.prompt_len) > self.kv.num_blocks - self.watermark:
-            return self.reject(req, "prompt needs more KV blocks than the pool holds above the watermark")
+            return "prompt needs more KV blocks than the pool holds above the watermark"
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         self.waiting.append(req)
         return True
 

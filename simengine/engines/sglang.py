@@ -154,17 +154,15 @@ class SglangEngine(RadixCacheViews, SglangDecodeSide):
         self._entry[req.request_id] = self._seq
         self.waiting.append(req)
 
+    def refusal(self, req: Request) -> str | None:   # tokenizer_manager: input + max_new_tokens must fit (HTTP 400)
+        fits = req.prompt_len + req.max_tokens <= self.max_model_len
+        return None if fits else (f"prompt {req.prompt_len} + max_tokens {req.max_tokens} exceeds the max request "
+                                  f"length {self.max_model_len} (context/KV pool)")
+
     def add_request(self, req: Request, now: float) -> bool:
-        if req.prompt_len + req.max_tokens > self.max_model_len:
-            # tokenizer_manager validation: input + max_new_tokens must fit the context (HTTP 400)
-            return self.reject(req, f"prompt {req.prompt_len} + max_tokens {req.max_tokens} exceeds the "
-                                    f"max request length {self.max_model_len} (context/KV pool)")
-        if not self.check_adapter(req, "enable_lora"):
+        if not (self.admit_length(req) and self.check_adapter(req, "enable_lora")):
             return False
-        if req.remote_kv_tokens:
-            self.prealloc.append(req)
-            return True
-        self._enqueue(req)
+        (self.prealloc.append if req.remote_kv_tokens else self._enqueue)(req)   # P/D decode side: KV comes first
         return True
 
     def release(self, req: Request) -> None:

@@ -98,12 +98,17 @@ class StaticEngine(EnginePolicy):
         """(reserved, written) KV tokens summed over every step so far: how much of the reservation is used."""
         return self.reserved_token_steps, self.used_token_steps
 
-    def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
-            return False
+    def refusal(self, req: Request) -> str | None:
+        if (reason := super().refusal(req)) is not None:
+            return reason
         if self.params.preallocate == "max_model_len" and req.prompt_len + req.max_tokens > self.max_model_len:
-            return self.reject(req, f"prompt + max_tokens {req.prompt_len + req.max_tokens} overruns the static "
-                                    f"cache of max_model_len {self.max_model_len}")
+            return (f"prompt + max_tokens {req.prompt_len + req.max_tokens} overruns the static cache of "
+                    f"max_model_len {self.max_model_len}")
+        return None
+
+    def add_request(self, req: Request, now: float) -> bool:
+        if not self.admit_length(req):
+            return False
         self.waiting.append(req)
         return True
 

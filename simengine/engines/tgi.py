@@ -161,20 +161,25 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
 
 
 
+    def refusal(self, req: Request) -> str | None:
+        p = self.params
+        if req.prompt_len > self.max_input_tokens:
+            return f"prompt of {req.prompt_len} tokens exceeds max_input_tokens {self.max_input_tokens}"
+        if req.prompt_len + req.max_tokens + max(p.speculate - 1, 0) > self.max_total_tokens:
+            return (f"prompt {req.prompt_len} + max_new_tokens {req.max_tokens} exceeds max_total_tokens "
+                    f"{self.max_total_tokens}")
+        longest_visit = req.prompt_len + (req.max_tokens - 1) // DEFAULT_GENERATION_LENGTH * DEFAULT_GENERATION_LENGTH
+        if not p.prefill_chunking and longest_visit > self.mbpt:
+            return (f"prompt of up to {longest_visit} tokens exceeds max_batch_prefill_tokens {self.mbpt} without "
+                    "prefill chunking")
+        return None
+
     def add_request(self, req: Request, now: float) -> bool:
         p = self.params
         if len(self.queue) + len(self.batch) >= p.max_concurrent_requests:
             return self.reject(req, f"429 Model is overloaded (max_concurrent_requests={p.max_concurrent_requests})")
-        if req.prompt_len > self.max_input_tokens:
-            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_input_tokens "
-                                    f"{self.max_input_tokens}")
-        if req.prompt_len + req.max_tokens + max(p.speculate - 1, 0) > self.max_total_tokens:
-            return self.reject(req, f"prompt {req.prompt_len} + max_new_tokens {req.max_tokens} exceeds "
-                                    f"max_total_tokens {self.max_total_tokens}")
-        longest_visit = req.prompt_len + (req.max_tokens - 1) // DEFAULT_GENERATION_LENGTH * DEFAULT_GENERATION_LENGTH
-        if not p.prefill_chunking and longest_visit > self.mbpt:
-            return self.reject(req, f"prompt of up to {longest_visit} tokens exceeds max_batch_prefill_tokens "
-                                    f"{self.mbpt} without prefill chunking")
+        if not self.admit_length(req):
+            return False
         self.queue.append(req)
         return True
 

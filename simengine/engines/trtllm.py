@@ -38,7 +38,7 @@ from simengine.engines.trtllm_config import (
     trtllm_speculation,
 )
 from simengine.engines.trtllm_reuse import ContextReuse
-from simengine.errors import InputError
+from simengine.errors import CannotRun
 from simengine.kvcache.manager import NO_HIT, PrefixHit
 
 
@@ -59,14 +59,13 @@ class TrtllmEngine(PagedEngine):
     supports_expert_parallel = True  # TensorRT-LLM moe_expert_parallel_size (llm_args.py)
     supports_attention_dp = True  # enable_attention_dp (llm_args.py; docs/source/features/parallel-strategy.md)
     lazy_decode = True  # speed device (module docstring)
-    # py_executor.py _executor_loop_pp: micro_batches = [None] * pp_size, inflight_req_ids; no overlap, no drafts
-    supports_pipeline_microbatches = True
+    supports_pipeline_microbatches = True   # py_executor.py _executor_loop_pp: micro_batches, no overlap or drafts
 
     def __init__(self, params: TrtllmParams, dep: Deployment):
         p = params
         if dep.weight_format.name in GGML_FORMATS:
-            raise InputError(f"TensorRT-LLM does not load ggml {dep.weight_format.name} weights; use bf16, fp8, "
-                             "int4 (AWQ/GPTQ W4A16) or nvfp4", field="deployment.weight_dtype")
+            raise CannotRun(f"TensorRT-LLM does not load ggml {dep.weight_format.name} weights; use bf16, fp8, "
+                            "int4 (AWQ/GPTQ W4A16) or nvfp4", field="deployment.weight_dtype")
         self.max_num_tokens, self.max_batch_size = p.max_num_tokens, p.max_batch_size
         self.max_num_sequences = p.max_batch_size * dep.pp  # started: _util.py scheduler_capacity (per micro-batch)
         self.step_token_limit, self.batch_size_limit = p.max_num_tokens, self.max_num_sequences
@@ -110,18 +109,20 @@ class TrtllmEngine(PagedEngine):
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.gen_init)
 
+    def refusal(self, req: Request) -> str | None:
+        unchunked = not self.params.enable_chunked_prefill and req.prompt_len > self.max_num_tokens
+        return super().refusal(req) or (None if not unchunked else f"prompt of {req.prompt_len} tokens exceeds "
+                                        f"max_num_tokens {self.max_num_tokens} and enable_chunked_prefill is False")
+
     def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
+        if not self.admit_length(req):
             return False
-        if not self.params.enable_chunked_prefill and req.prompt_len > self.max_num_tokens:
-            return self.reject(req, f"prompt of {req.prompt_len} tokens exceeds max_num_tokens {self.max_num_tokens} "
-                                    "and enable_chunked_prefill is False")
         # the LLM API clamps max_tokens to max_seq_len - prompt (finish reason 'length')
         req.output_len = min(req.output_len, self.max_model_len - req.prompt_len)
         if req.remote_kv_tokens:
             self.gen_init.append(req)
-            return True
-        insort(self.waiting, req, key=arrival_order)
+        else:
+            insort(self.waiting, req, key=arrival_order)
         return True
 
     def release(self, req: Request) -> None:

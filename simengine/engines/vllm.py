@@ -69,6 +69,11 @@ class VllmEngine(VllmConnectors):
         self.async_scheduling = params.async_scheduling and params.use_v1   # V0 never had it
         self.max_num_seqs = params.max_num_seqs or seqs
         self.max_num_batched_tokens = params.max_num_batched_tokens or batched
+        model_len = params.max_model_len or dep.model.max_model_len
+        if not self.chunked_prefill and self.max_num_batched_tokens < model_len:   # SchedulerConfig._verify_args
+            raise InputError(f"{self.max_num_batched_tokens} is smaller than max_model_len ({model_len}) with chunked "
+                             "prefill off, which vLLM refuses at startup; raise max_num_batched_tokens, lower "
+                             "max_model_len or enable_chunked_prefill", field="max_num_batched_tokens")
         self.step_token_limit, self.batch_size_limit = self.max_num_batched_tokens, self.max_num_seqs
         super().__init__(params, dep)
         dep = self.dep   # with a speculative proposer's weights and KV
@@ -151,7 +156,7 @@ class VllmEngine(VllmConnectors):
         return heapq.heappop(self.waiting_heap)[3] if self.priority else self.waiting.popleft()
 
     def add_request(self, req: Request, now: float) -> bool:
-        if not self.check_length(req):
+        if not self.admit_length(req):
             return False
         if not self.check_adapter(req, "enable_lora"):
             return False

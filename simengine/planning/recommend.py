@@ -57,7 +57,7 @@ def candidates(scenario: Scenario, dep) -> list[EngineEntry]:
         cls = ENGINES.get(name)
         if name in names or name == "generic" or cls.research_baseline:
             continue
-        if hw.vendor in cls.vendors and hw.device_class in cls.device_classes:
+        if cls.runs_on(hw):
             listed.append(EngineEntry(engine=name))
     return listed
 

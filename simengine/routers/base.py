@@ -99,7 +99,7 @@ def router_and_params(name: str, params: dict, *, at: str) -> tuple[type[Router]
     """The registered router `name` and its knobs parsed; a bad name or knob is an InputError naming
     `<at>router` or `<at>router_params` (`at`: 'deployment.', 'pools[1].', or '' inside a pool's own section)."""
     cls = ROUTERS.get(name, field=f"{at}router")
-    return cls, from_dict(cls.Params, params, source="scenario", field=f"{at}router_params")
+    return cls, from_dict(cls.Params, params, source=None, field=f"{at}router_params")   # the file: its loader
 
 
 def least_loaded_of(replicas: list[ReplicaState]) -> int:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from simengine.config.dtypes import kv_bytes, weight_format
+import numpy as np
+
+from simengine.config.dtypes import kv_bytes, resolve_compute_dtype, weight_format
 from simengine.config.hardware import load_hardware
 from simengine.config.loader import from_dict
 from simengine.config.model import ModelSpec, load_model
 from simengine.config.scenario import DeploymentConfig, EngineEntry, PoolConfig, Scenario
+from simengine.core.request import Request
 from simengine.cost.calibrated import apply_device_terms, apply_terms, read_engine_terms, trial_device_terms
 from simengine.cost.measured import MeasuredKernels, systems
 from simengine.cost.roofline import DeviceTerms, RooflineKernels
@@ -70,7 +73,8 @@ def resolve_deployment(d: DeploymentConfig, pool: PoolConfig | None = None, at: 
 def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
     """Instantiate an engine policy with validated params; refuse hardware it does not run on."""
     cls = ENGINES.get(entry.engine, field="engines")
-    params = from_dict(cls.Params, entry.params, source="scenario", field=f"engines[{entry.display}].params")
+    at = f"engines[{entry.display}].params"
+    params = from_dict(cls.Params, entry.params, source="scenario", field=at)
     hw = dep.hardware
     if dep.attention_dp and not cls.supports_attention_dp:
         ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_attention_dp]
@@ -80,12 +84,17 @@ def build_engine(entry: EngineEntry, dep: Deployment) -> EnginePolicy:
         ok = [n for n in ENGINES.names() if ENGINES.get(n).supports_expert_parallel]
         raise CannotRun(f"{entry.engine} has no expert parallelism; engines that do: {', '.join(ok)}",
                          field="deployment.expert_parallel")
-    if hw.vendor not in cls.vendors or hw.device_class not in cls.device_classes:
-        ok = [n for n in ENGINES.names()
-              if hw.vendor in ENGINES.get(n).vendors and hw.device_class in ENGINES.get(n).device_classes]
+    if not cls.runs_on(hw):
+        ok = [n for n in ENGINES.names() if ENGINES.get(n).runs_on(hw)]
         raise CannotRun(f"{entry.engine} does not run on {hw.name} ({hw.vendor} {hw.device_class}); engines "
                          f"that do: {', '.join(ok) or 'none'}", field="engines")
-    return cls(params, dep)
+    try:
+        return cls(params, dep)
+    except InputError as exc:   # a knob the engine checks against the deployment: name it under the engine's params
+        top = (exc.field or "").split(".")[0].split("[")[0]
+        if top in ("deployment", "engines", "workload"):
+            raise
+        raise type(exc)(exc.message, source=exc.source, field=f"{at}.{exc.field}" if exc.field else at) from None
 
 
 def cost_model(engine: EnginePolicy, grammar_mask_s: float = 0.0, *, kernels: str = "auto") -> CostModel:
@@ -153,6 +162,13 @@ class Pool:
         return self.dep.num_devices * self.count
 
 
+def _prompt_field(scenario: Scenario) -> str:
+    """The workload field that sets the shortest prompt (shortest_prompt's cases)."""
+    wl = scenario.workload
+    return ("workload.sessions.user_tokens" if wl.sessions is not None else
+            "workload.documents.tokens" if wl.documents is not None else "workload.input_tokens")
+
+
 def check_prompts_fit(scenario: Scenario, model: ModelSpec) -> None:
     """Refuse a workload none of whose prompts fits the model's context (every request would be refused); a
     workload with some prompts too long runs, and those requests fail as the engine refuses them."""
@@ -160,7 +176,21 @@ def check_prompts_fit(scenario: Scenario, model: ModelSpec) -> None:
     if shortest is not None and shortest + 1 > context:
         raise InputError(f"every prompt is at least {shortest:,} tokens (shared prefix included) and {model.name}'s "
                          f"context is {context:,} tokens, so every request would be refused; draw prompts below "
-                         f"{context:,} tokens or serve a model with a longer context", field="workload.input_tokens")
+                         f"{context:,} tokens or serve a model with a longer context", field=_prompt_field(scenario))
+
+
+def check_engine_admits(scenario: Scenario, engine: EnginePolicy, where: str) -> None:
+    """Refuse an engine configuration that refuses even the workload's shortest prompt with one output token
+    (its context knobs, or a KV pool too small for it): every request would fail."""
+    shortest = shortest_prompt(scenario.workload)
+    if shortest is None:
+        return
+    probe = Request(-1, 0.0, np.zeros(shortest, dtype=np.int32), shortest, 1)
+    reason = engine.refusal(probe)
+    if reason is not None:
+        raise CannotRun(f"{engine.name} refuses even the shortest prompt ({reason}), so every request would fail; "
+                        f"raise that limit (or the memory behind it) or draw shorter prompts "
+                        f"({_prompt_field(scenario)})", field=where)
 
 
 def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
@@ -207,6 +237,12 @@ def plan_pools(scenario: Scenario, entry: EngineEntry) -> list[Pool]:
         except CannotRun as exc:
             raise CannotRun(f"pool '{p.name}': {exc.message}" if len(pools) > 1 else exc.message,
                             field=exc.field) from None
+        try:   # the engine's own weights (vLLM runs FP8 weight-only where the device has no FP8 units)
+            resolve_compute_dtype(eng.dep.weight_format, eng.dep.hardware.peak_flops, eng.dep.hardware.name)
+        except InputError as exc:
+            raise CannotRun(f"{p.entry.engine}: {exc.message}", field=exc.field) from None
+        if p.role != "decode":   # a decode pool takes prompts already computed elsewhere
+            check_engine_admits(scenario, eng, f"engines[{p.entry.display}].params")
         if scenario.workload.lora is not None and not eng.serves_lora():
             ok = [n for n in ENGINES.names()
                   if "enable_lora" in {f.name for f in dataclasses.fields(ENGINES.get(n).Params)}]

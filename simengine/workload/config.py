@@ -137,6 +137,11 @@ class LoraAdapters(Checked):
     ranks: list[Annotated[int, Range(1, 1024)]] = field(default_factory=lambda: [16])
     fraction: Annotated[float, Range(0, 1)] = 1.0
 
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.ranks:
+            raise InputError("give at least one adapter rank, e.g. ranks: [16]", field="workload.lora.ranks")
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadConfig(Checked):
@@ -189,10 +194,19 @@ class WorkloadConfig(Checked):
 
 
 def shortest_prompt(cfg: WorkloadConfig) -> int | None:
-    """Tokens no prompt of a plain request stream falls below (the shared prefix counted), or None where prompts
-    come from a trace, sessions, documents or prompt groups (those are checked request by request at admission)."""
-    if cfg.trace is not None or cfg.sessions is not None or cfg.documents is not None or cfg.prompt_groups:
+    """Tokens no prompt falls below (the shared prefix counted): a plain stream's, a RAG stream's (prefix, the
+    shortest document and question) or a session's first turn (prefix and user tokens; later turns only grow);
+    None where prompts come from a trace or prompt groups (those are checked request by request at admission)."""
+    if cfg.trace is not None or cfg.prompt_groups:
         return None
-    dists = [c.input_tokens or cfg.input_tokens for c in cfg.classes] or [cfg.input_tokens]
-    shortest = min(max(round(max(d.lowest(), 0.0)), 1) for d in dists)   # sample_int: rounded, at least 1
-    return max(cfg.shared_prefix_tokens + 1, shortest)   # generator.py: the prefix heads the input tokens
+
+    def low(d: TokenDist) -> int:
+        return max(round(max(d.lowest(), 0.0)), 1)   # sample_int: rounded, at least 1
+
+    if cfg.sessions is not None:   # generator.session_turn: the first turn is the prefix and the user's tokens
+        return cfg.shared_prefix_tokens + low(cfg.sessions.user_tokens)
+    question = min(low(c.input_tokens or cfg.input_tokens) for c in cfg.classes) if cfg.classes else \
+        low(cfg.input_tokens)
+    if cfg.documents is not None:   # generator.py: prefix + document + a question of input_tokens
+        return cfg.shared_prefix_tokens + low(cfg.documents.tokens) + question
+    return max(cfg.shared_prefix_tokens + 1, question)   # generator.py: the prefix heads the input tokens

@@ -38,6 +38,13 @@ class SessionPlan:
     lora: tuple[int, int] = (-1, 0)   # the session's LoRA adapter and its rank (every turn names it)
 
 
+
+def zipf_p(n: int, s: float) -> np.ndarray:
+    """P(item k) proportional to 1 / k**s, k = 1..n (a steep s sends the far tail to 0, quietly)."""
+    with np.errstate(over="ignore"):
+        w = 1.0 / np.arange(1, n + 1) ** s
+    return w / w.sum()
+
 class RequestFactory:
     """Builds Requests with deterministic token content from the scenario seed."""
 
@@ -69,8 +76,7 @@ class RequestFactory:
             drng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(99,)))
             d = cfg.documents
             self.documents = [self.tokens(drng, int(d.tokens.sample_int(drng))) for _ in range(d.count)]
-            w = 1.0 / np.arange(1, d.count + 1) ** d.zipf_s
-            self._doc_p = w / w.sum()
+            self._doc_p = zipf_p(d.count, d.zipf_s)
         # prompt_groups: the prompts (group, question, output length) in pool order and shuffled, each group's
         # system prompt; multi_turn: the user of slot k (shuffled) and each user's conversation so far
         self._questions: list[tuple[int, np.ndarray, int]] = []
@@ -84,8 +90,7 @@ class RequestFactory:
         self._lora_p = None
         if cfg.lora is not None:   # a stream of its own: the other draws are those of the same workload without it
             self.rng_lora = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(98,)))
-            w = 1.0 / np.arange(1, cfg.lora.adapters + 1) ** cfg.lora.zipf_s
-            self._lora_p = w / w.sum()
+            self._lora_p = zipf_p(cfg.lora.adapters, cfg.lora.zipf_s)
         weights = np.array([c.weight for c in cfg.classes], dtype=float)
         self._class_p = weights / weights.sum() if len(weights) else None
         self.next_id = 0

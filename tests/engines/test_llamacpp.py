@@ -14,7 +14,7 @@ from simengine.core.batch import BatchShape
 from simengine.core.request import Status
 from simengine.engines.llamacpp import LlamaCppEngine, LlamaCppParams
 from simengine.engines.llamacpp_kernels import FA_FLOPS_PER_SM_CYCLE, GGML_LAYER_KERNELS, MMQ_FLOPS_PER_SM_CYCLE
-from simengine.errors import InputError
+from simengine.errors import CannotRun, InputError
 from simengine.sim.build import build_engine, cost_model
 from tests.conftest import make_dep, make_request
 from tests.engines.harness import run_step
@@ -53,12 +53,14 @@ def test_fit_shrinks_the_context_on_a_small_device_or_refuses():
 
 
 def test_deployment_refusals_name_the_field():
-    with pytest.raises(InputError, match=r"deployment.weight_dtype.*q8_0, q4_0"):
+    # what llama.cpp cannot run is CannotRun: a comparison lists it and runs the other engines
+    with pytest.raises(CannotRun, match=r"deployment.weight_dtype.*q8_0, q4_0"):
         engine(make_dep(weight_dtype="fp8"))
-    with pytest.raises(InputError, match="deployment.tp"):
+    with pytest.raises(CannotRun, match="deployment.tp"):
         engine(make_dep(tp=2))
-    with pytest.raises(InputError, match="Gaudi"):
-        engine(make_dep("gaudi3"))
+    assert not LlamaCppEngine.runs_on(make_dep("gaudi3").hardware)   # no Gaudi (HPU) backend
+    with pytest.raises(CannotRun, match="llamacpp does not run on gaudi3"):
+        build_engine(EngineEntry(engine="llamacpp"), make_dep("gaudi3", weight_dtype="q4_0"))
     with pytest.raises(InputError, match="context_shift"):
         LlamaCppParams(context_shift=True)
     with pytest.raises(InputError, match="slot_prompt_similarity"):

@@ -464,7 +464,7 @@ def test_v0_runs_new_prompts_in_steps_of_their_own():
 
 def test_unchunked_prompt_waits_for_a_budget_that_holds_it_whole():
     for use_v1 in (True, False):
-        eng = engine(use_v1=use_v1, enable_chunked_prefill=False, max_num_batched_tokens=512)
+        eng = engine(use_v1=use_v1, enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=512)
         a, b = make_request(300, 5), make_request(300, 5)
         eng.add_request(a, 0.0)
         eng.add_request(b, 0.0)
@@ -515,3 +515,11 @@ def test_v0_refuses_kv_offload():
     with pytest.raises(InputError, match="use_v1") as err:
         engine(use_v1=False, kv_offloading_size=8.0)
     assert err.value.field == "kv_offloading_size"
+
+
+def test_unchunked_budget_below_the_context_is_refused_at_startup():
+    # vLLM's SchedulerConfig._verify_args: without chunked prefill a step must hold a whole max_model_len prompt
+    with pytest.raises(InputError, match="smaller than max_model_len") as e:
+        engine(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=4096)
+    assert e.value.field == "max_num_batched_tokens"
+    engine(enable_chunked_prefill=True, max_num_batched_tokens=512, max_model_len=4096)   # chunked: fine

@@ -78,3 +78,29 @@ def test_no_prompt_is_shorter_than_the_workload_says_it_can_be(dist_in, seed, pr
     assert low is not None and min(prompts) >= low
     if dist_in["dist"] == "constant":
         assert min(prompts) == low
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(LOWEST_DISTS), st.sampled_from(LOWEST_DISTS), st.integers(0, 2**32 - 1),
+       st.integers(0, 400))
+def test_no_rag_prompt_or_first_session_turn_is_shorter_than_the_bound(dist_a, dist_b, seed, prefix):
+    """The same bound for prompts of a document pool (prefix + document + question) and for sessions, whose first
+    turn (prefix + the user's tokens) is their shortest; reached where the lengths are fixed."""
+    from simengine.workload.config import shortest_prompt
+
+    rag = make_scenario(seed=seed, workload__input_tokens=dist_a, workload__shared_prefix_tokens=prefix,
+                        workload__documents={"count": 5, "tokens": dist_b})
+    factory = RequestFactory(rag.workload, seed, 32000, 1 << 20)
+    prompts = [factory.plain_request(float(i)).prompt_len for i in range(200)]
+    low = shortest_prompt(rag.workload)
+    assert low is not None and min(prompts) >= low
+    if dist_a["dist"] == dist_b["dist"] == "constant":
+        assert min(prompts) == low
+    chat = make_scenario(seed=seed, workload__shared_prefix_tokens=prefix,
+                         workload__sessions={"arrival_rate": 1.0, "user_tokens": dist_a})
+    factory = RequestFactory(chat.workload, seed, 32000, 1 << 20)
+    firsts = [factory.session_turn(factory.session(i), 0.0, None).prompt_len for i in range(100)]
+    low = shortest_prompt(chat.workload)
+    assert low is not None and min(firsts) >= low
+    if dist_a["dist"] == "constant":
+        assert min(firsts) == low
