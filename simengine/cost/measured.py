@@ -237,19 +237,21 @@ def _shape_rows(df, s: MoeShape):
 
 def _moe_split_curve(shape, dtype: str, moe_tp: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(tokens, seconds) of one MoE layer whose experts are sliced `moe_tp` ways (one shape, EP and dtype of a
-    table), or None where fewer than two token counts were timed. A finer slicing measured in the same table bounds
-    it: k times less sliced takes at most k times as long, since it could run as k launches of the finer slice
-    (the H100 and H200 trtllm tables time Llama-4 Scout's experts at moe tp 2 at 4.6-6.6x twice their moe tp 4)."""
+    table), or None where fewer than two token counts were timed. The other slicings measured in the same table
+    bound it both ways: k times less sliced takes at most k times as long, since it could run as k launches of the
+    finer slice (the H100 and H200 trtllm tables time Llama-4 Scout's experts at moe tp 2 at 4.6-6.6x twice their
+    moe tp 4), and k times more sliced takes at most as long, since each rank's slice is a part of the coarser one's
+    work (the H200 trtllm table times Mixtral-8x22B's experts at moe tp 8 at 3.0x its moe tp 4 for one token)."""
     rows = shape[shape["moe_dtype"] == dtype]
     sel = rows[rows["moe_tp_size"] == moe_tp]
     if sel["num_tokens"].nunique() < 2:
         return None
     xs, ys = _moe_median(sel)
-    for finer in sorted(t for t in set(rows["moe_tp_size"]) if t > moe_tp and t % moe_tp == 0):
-        fine = rows[rows["moe_tp_size"] == finer]
-        if fine["num_tokens"].nunique() >= 2:
-            fx, fy = _moe_median(fine)
-            ys = np.minimum(ys, finer // moe_tp * np.interp(xs, fx, fy, right=np.inf))
+    for other in sorted(t for t in set(rows["moe_tp_size"]) if t != moe_tp and max(t, moe_tp) % min(t, moe_tp) == 0):
+        timed = rows[rows["moe_tp_size"] == other]
+        if timed["num_tokens"].nunique() >= 2:
+            ox, oy = _moe_median(timed)
+            ys = np.minimum(ys, max(other // moe_tp, 1) * np.interp(xs, ox, oy, right=np.inf))
     return xs, monotone(ys)
 
 
@@ -788,12 +790,16 @@ class MeasuredKernels(RooflineKernels):
             return None
         m = np.maximum(tokens, 1.0)
         lat = self.gemm.latency(dtype, n, k, m)
-        if lat is not None and dtype == "fp8" and "computescale" in self.quant:
+        if lat is None:
+            return None
+        if dtype == "fp8" and "computescale" in self.quant:
             cut = self.quant["computescale"].latency(k, m)
             if name in ("attn_out", "mlp_down", "shared_down") and "scale_matrix" in self.quant:
                 cut = cut + self.quant["scale_matrix"].latency(k, m)
             lat = np.maximum(lat - cut, self.gemm.sol(dtype, m, n, k))
-        return lat
+        # a step streams every layer's weights from DRAM, while a table times one GEMM again and again with its
+        # weights left in L2 where they fit (the L40S table's m = 1 GEMMs reach 1.27x its 864 GB/s, 96 MB of L2)
+        return np.maximum(lat, GEMM_ELEMENT_BYTES[dtype] * n * k / self.work.hw.memory_bandwidth_bytes_s)
 
     def _measured(self, f: dict, seconds: np.ndarray, compute_bound) -> None:
         """Add measured seconds to the features, as compute- or memory-bound as the roofline classes the op; the
