@@ -6,7 +6,9 @@
 - more KV memory never lowers throughput at saturation;
 - FP8 weights are not slower than BF16 at batch 1 on a device with FP8 units;
 - halving tensor parallelism at most doubles a decode step (each rank does at most twice the work, and less
-  communication).
+  communication);
+- a rank's batch-1 MoE kernels do not slow from TP4 to TP8 (its share of the weights halves);
+- a batch-1 decode step streams its layers' weights no faster than the datasheet's DRAM bandwidth.
 Step-level properties price the batch shapes the engine itself builds with the simulator's own step-time model
 (measured kernels where the device has tables); the throughput property runs the simulator.
 """
