@@ -88,8 +88,8 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     price = sum(n * v for n, v in known) / num_devices if len(known) == len(prices) else None
     # the prefix cache of the first hop (mixed or prefill replicas), by token over replicas: the decode side only
     # looks up what it is about to receive
-    first_hop = [e for e, p in zip(res.engines, runner.pool_of, strict=True) if p.role != "decode"]
-    queried, hit = np.sum([e.prefix_cache_tokens() for e in first_hop], axis=0)
+    first_hop = [t for t, p in zip(res.prefix_tokens, runner.pool_of, strict=True) if p.role != "decode"]
+    queried, hit = np.sum(first_hop, axis=0)
     summary = summarize(res.recorder, slo=scenario.slo, end_s=res.end_s, num_devices=num_devices,
                         price_usd_per_hour=price, prefix_hit_rate=float(hit / queried) if queried else 0.0,
                         horizon_s=scenario.horizon_s, replicas=len(res.engines), classes=scenario.workload.classes)
@@ -98,10 +98,10 @@ def run_engine(scenario: Scenario, entry: EngineEntry, *, check_invariants: bool
     if res.faults is not None:
         summary["faults"] = res.faults
     if len(res.engines) > 1:
-        summary["replicas"] = replica_sections(res.recorder, [e.prefix_cache_tokens() for e in res.engines],
+        summary["replicas"] = replica_sections(res.recorder, res.prefix_tokens,
                                                res.decisions, [p.name for p in runner.pool_of])
     if len(pools) > 1:
-        summary["pools"] = [pool_section(p, summary["replicas"], res.engines) for p in pools]
+        summary["pools"] = [pool_section(p, summary["replicas"], res.prefix_tokens) for p in pools]
     if res.disaggregation is not None:
         summary["disaggregation"] = res.disaggregation
     if res.stalls:
@@ -150,11 +150,11 @@ def offload_section(engines: list, replicas: list, input_tokens: float, end_s: f
             "host_link_busy_fraction": round(busy / (end_s * len(replicas)), 6) if end_s > 0 else 0.0}
 
 
-def pool_section(pool, replicas: list[dict], engines: list) -> dict:
+def pool_section(pool, replicas: list[dict], prefix_tokens: list[tuple[int, int]]) -> dict:
     """One pool of a run: what it is, and its replicas' figures together (router decisions and requests summed,
     prefix hit rate by token over its engines, KV usage averaged over its replicas)."""
     mine = [replicas[i] for i in pool.indices]
-    queried, hit = np.sum([engines[i].prefix_cache_tokens() for i in pool.indices], axis=0)
+    queried, hit = np.sum([prefix_tokens[i] for i in pool.indices], axis=0)
     return {"name": pool.name, "role": pool.role, "engine": pool.entry.engine, "hardware": pool.dep.hardware.name,
             "tp": pool.dep.tp, "pp": pool.dep.pp, "replicas": list(pool.indices), "devices": pool.num_devices,
             "router_decisions": sum(r["router_decisions"] for r in mine), "requests": sum(r["requests"] for r in mine),

@@ -338,7 +338,8 @@ def cmd_recommend(args) -> int:
     print(f"{scenario.name}: engines ranked by {args.priority} on {d.model} ({d.weight_dtype}) on "
           f"{d.replicas}x{d.tp * d.pp} {d.hardware}")
     print(pd.DataFrame.from_dict(rows, orient="index").to_string())
-    reason = why(ranked[0], ranked[1]) if len(ranked) > 1 else f"{ranked[0].label} is the only engine that runs"
+    reason = (why(ranked[0], ranked[1], args.priority) if len(ranked) > 1
+              else f"{ranked[0].label} is the only engine that runs")
     print(f"recommended: {ranked[0].label} ({reason})")
     margin, within = (margin_line(ranked[0], ranked[1], args.priority, dep.hardware.name) if len(ranked) > 1
                       else ("", None))

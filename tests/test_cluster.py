@@ -105,6 +105,26 @@ def test_a_small_decode_pool_keeps_kv_on_the_prefill_side_and_counts_the_waits()
     assert s["completed"] == s["num_requests"]
 
 
+def test_a_roomy_decode_pool_under_light_load_never_waits_for_room():
+    """Audit 2026-12-06: an engine that schedules ahead (vLLM's async scheduling) took the decision during which a
+    transfer arrived before it arrived; that extra decision is not a wait for room (115 of 117 were counted)."""
+    sc = make_scenario(horizon_s=20.0, workload__arrival__rate=3.0, pools=PD, engines=["vllm"])
+    d = run_engine(sc, sc.engines[0]).summary["disaggregation"]
+    assert d["transfers"] > 0 and d["waits_for_room"] == 0
+
+
+def test_the_routing_decision_is_paid_where_any_tier_offers_a_choice():
+    """One prefill replica and two decode replicas: the router still picks the decode replica (audit 2026-12-06:
+    router_decision_s changed nothing here)."""
+    pools = [{"role": "prefill", "replicas": 1}, {"role": "decode", "replicas": 2}]
+    ttft = {}
+    for decision_s in (0.0, 0.05):
+        sc = make_scenario(horizon_s=10.0, workload__arrival__rate=2.0, pools=pools,
+                           deployment__router_decision_s=decision_s)
+        ttft[decision_s] = run_engine(sc, sc.engines[0]).summary["median_ttft_ms"]
+    assert ttft[0.05] - ttft[0.0] == pytest.approx(50.0, abs=5.0)
+
+
 @pytest.mark.parametrize("kv_transfer", ["after_prefill", "layerwise"])
 def test_a_decode_pool_that_refuses_long_prompts_fails_them_once(kv_transfer):
     """The decode pool's vLLM caps its context at 2,048 tokens: longer prompts are prefilled (the prefill pool takes

@@ -80,3 +80,28 @@ def test_a_pipelined_replica_stops_every_micro_batch_lane_when_it_fails():
     assert r.summary["failed"] == 0 and r.summary["faults"]["retries"] > 0
     steps = r.steps[r.steps["replica"] == 0]
     assert not ((steps["end_s"] > 6.0) & (steps["start_s"] < 11.0)).any()
+
+
+def test_the_prefix_hit_rate_counts_the_lookups_a_failed_engine_served():
+    """A failure replaces the replica's engine (its cache is gone); the hit rate of the run and of the replica
+    still count what the failed engine served (audit 2026-12-06: replica 0 reported 0 % after a failure at the end)."""
+    sc = make_scenario(engines=["vllm"], deployment__replicas=2, horizon_s=20.0,
+                       deployment__failures={"at": [{"time_s": 19.9, "replica": 0, "down_s": 0.1}]},
+                       workload__shared_prefix_tokens=1000,
+                       workload__arrival={"process": "poisson", "rate": 8.0})
+    r = run_engine(sc, sc.engines[0])
+    rates = [rep["prefix_cache_hit_rate"] for rep in r.summary["replicas"]]
+    assert rates[0] > 0.5 and rates[0] == pytest.approx(rates[1], abs=0.1), rates
+    served = r.requests[r.requests["replica"] >= 0]
+    by_tokens = served["num_cached_tokens"].sum() / served["prompt_len"].sum()
+    assert r.summary["prefix_cache_hit_rate"] == pytest.approx(by_tokens, abs=0.05)
+
+
+def test_reasons_that_differ_in_their_numbers_count_together_showing_each_number():
+    import numpy as np
+
+    from simengine.metrics.summary import failure_reasons
+    strings = ["", "replica 0 failed", "replica 1 failed", "replica 2 failed",
+               *(f"prompt of {n} tokens exceeds max_model_len 4096" for n in (5000, 6000, 7000, 8000, 9000))]
+    out = failure_reasons(strings, np.array([0, 16, 50, 123, 1, 1, 1, 1, 1]))
+    assert out == {"replica 0/1/2 failed": 189, "prompt of 5000-9000 tokens exceeds max_model_len 4096": 5}

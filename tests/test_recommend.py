@@ -98,3 +98,18 @@ def test_recommend_refuses_with_one_line(args, field, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_why_opens_with_the_priority_s_figure_and_marks_the_winner_s_weaknesses():
+    """Audit 2026-12-06: ranked by latency, the line opened with capacity (the winner's weakness, unmarked) and
+    cited 'prefix hit 0% against 0%'."""
+    from types import SimpleNamespace
+    tgi = Ranked("tgi", "tgi", SimpleNamespace(rate_per_device=38.6), {"overloaded": False, "p99_ttft_ms": 49.0,
+                                                                      "prefix_cache_hit_rate": 0.001}, 1.0, None)
+    vllm = Ranked("vllm", "vllm", SimpleNamespace(rate_per_device=52.6), {"overloaded": False, "p99_ttft_ms": 51.0,
+                                                                        "prefix_cache_hit_rate": 0.0001}, 0.96, None)
+    text = why(tgi, vllm, "latency")
+    assert text.startswith("tgi over vllm: p99 TTFT 49 ms against 51 ms;") and "capacity" not in text
+    assert "prefix hit" not in text   # 0.1 % against 0.01 %: no difference worth a word
+    both = why(tgi, vllm, "balanced")
+    assert "capacity 38.6 against 52.6 req/s per GPU (worse, outweighed); p99 TTFT 49 ms against 51 ms" in both

@@ -216,18 +216,34 @@ def summarize(rec: Recorder, *, slo: SloConfig, end_s: float, num_devices: int, 
 
 def failure_reasons(strings: list[str], counts: np.ndarray, top: int = 10) -> dict[str, int]:
     """Failed requests by reason (`counts` per string code), most frequent first: reasons that differ only in their
-    numbers (prompt lengths) count together under the first one seen; past `top` kinds the rest count under
-    "other"."""
+    numbers (prompt lengths, replicas) count together, each number that differs shown as the values it took (up to
+    four, 'replica 0/1/2 failed') or their range ('prompt of 4012-9000 tokens'); past `top` kinds the rest count
+    under "other"."""
     kinds: dict[str, list] = {}
     for code in np.flatnonzero(counts):
         reason = strings[code] or "(no reason given)"
-        kind = kinds.setdefault(re.sub(r"\d+", "#", reason), [reason, 0])
+        kind = kinds.setdefault(re.sub(r"\d+", "#", reason), [[], 0])
+        kind[0].append(reason)
         kind[1] += int(counts[code])
-    ranked = sorted(kinds.values(), key=lambda k: -k[1])
+    ranked = sorted(((_merged(reasons), n) for reasons, n in kinds.values()), key=lambda k: -k[1])
     out = {reason: n for reason, n in ranked[:top]}
     if len(ranked) > top:
         out["other"] = sum(n for _, n in ranked[top:])
     return out
+
+
+def _merged(reasons: list[str]) -> str:
+    """One label for reasons that differ only in their numbers (failure_reasons)."""
+    if len(reasons) == 1:
+        return reasons[0]
+    numbers = [re.findall(r"\d+", r) for r in reasons]
+    parts = re.split(r"\d+", reasons[0])
+    shown = []
+    for values in zip(*numbers, strict=True):
+        distinct = sorted(set(values), key=int)
+        shown.append(distinct[0] if len(distinct) == 1 else "/".join(distinct) if len(distinct) <= 4
+                     else f"{distinct[0]}-{distinct[-1]}")
+    return "".join(p + s for p, s in zip(parts, [*shown, ""], strict=True))
 
 
 def _class_summary(t: _Totals, stats: dict, c, duration: float) -> dict:

@@ -14,14 +14,15 @@ PRIORITIES = ("throughput", "latency", "cost", "balanced")
 
 # Figures that tell engines apart by mechanism, compared between the winner and the runner-up: (summary key,
 # words, format, higher is better, smallest difference worth a word).
+# (summary key, words, format, higher is better, least relative difference, least absolute difference)
 EVIDENCE = (
-    ("prefix_cache_hit_rate", "prefix hit", "{:.0%}", True, 0.10),
-    ("kv_capacity_tokens", "KV pool", "{:,.0f} tokens", True, 0.15),
-    ("mean_batch_size", "mean batch", "{:.1f}", True, 0.15),
-    ("p99_ttft_ms", "p99 TTFT", "{:.0f} ms", False, 0.20),
-    ("p99_tpot_ms", "p99 TPOT", "{:.1f} ms", False, 0.15),
-    ("preemptions", "preemptions", "{:.0f}", False, 0.5),
-    ("failed", "failed requests", "{:.0f}", False, 0.5),
+    ("prefix_cache_hit_rate", "prefix hit", "{:.0%}", True, 0.10, 0.01),
+    ("kv_capacity_tokens", "KV pool", "{:,.0f} tokens", True, 0.15, 0.0),
+    ("mean_batch_size", "mean batch", "{:.1f}", True, 0.15, 0.0),
+    ("p99_ttft_ms", "p99 TTFT", "{:.0f} ms", False, 0.20, 0.0),
+    ("p99_tpot_ms", "p99 TPOT", "{:.1f} ms", False, 0.15, 0.0),
+    ("preemptions", "preemptions", "{:.0f}", False, 0.5, 0.0),
+    ("failed", "failed requests", "{:.0f}", False, 0.5, 0.0),
 )
 
 
@@ -76,23 +77,38 @@ def _scores(ranked: list[Ranked], priority: str) -> None:
                    "balanced": (thr * fast * cheap) ** (1 / 3)}[priority]
 
 
-def why(first: Ranked, second: Ranked) -> str:
-    """The figures where the winner and the runner-up differ most, from their runs at the scenario's rate."""
+def _versus(words: str, a: float, b: float, fmt: str, higher: bool, unit: str = "") -> str:
+    worse = "" if (a >= b) == higher else " (worse, outweighed)"
+    return f"{words} {fmt.format(a)} against {fmt.format(b)}{unit}{worse}"
+
+
+def why(first: Ranked, second: Ranked, priority: str = "balanced") -> str:
+    """The priority's own figures (capacity per GPU, p99 TTFT at the scenario's rate, cost), then the figures where
+    the winner and the runner-up differ most in their runs at the scenario's rate; a figure on which the winner is
+    worse says so."""
+    head = []
+    if priority in ("throughput", "balanced"):
+        head.append(_versus("capacity", first.capacity.rate_per_device, second.capacity.rate_per_device,
+                            "{:.3g}", True, " req/s per GPU"))
+    if priority in ("latency", "balanced") and first.latency_ms is not None and second.latency_ms is not None:
+        head.append(_versus("p99 TTFT", first.latency_ms, second.latency_ms, "{:.0f} ms", False))
+    if priority == "cost" and first.cost is not None and second.cost is not None:
+        head.append(_versus("cost", first.cost, second.cost, "${:.3f}", False, " per 1M output tokens"))
+    if not head:   # a latency or cost figure missing (an overloaded run, no price): capacity decides the order
+        head.append(_versus("capacity", first.capacity.rate_per_device, second.capacity.rate_per_device,
+                            "{:.3g}", True, " req/s per GPU"))
     out = []
-    for key, words, fmt, higher, least in EVIDENCE:
+    for key, words, fmt, higher, least, least_abs in EVIDENCE:
         a, b = first.at_rate.get(key), second.at_rate.get(key)
-        if a is None or b is None:
+        if a is None or b is None or any(key == "p99_ttft_ms" and h.startswith("p99 TTFT") for h in head):
             continue
         scale = max(abs(a), abs(b))
-        if scale == 0 or abs(a - b) / scale < least:
+        if scale == 0 or abs(a - b) / scale < least or abs(a - b) < least_abs:
             continue
-        better = (a > b) == higher
-        out.append((abs(a - b) / scale, f"{words} {fmt.format(a)} against {fmt.format(b)}"
-                                        f"{'' if better else ' (worse, outweighed)'}"))
-    cap_a, cap_b = first.capacity.rate_per_device, second.capacity.rate_per_device
-    head = f"{first.label} over {second.label}: capacity {cap_a:.3g} against {cap_b:.3g} req/s per GPU"
+        out.append((abs(a - b) / scale, _versus(words, a, b, fmt, higher)))
     top = [text for _, text in sorted(out, key=lambda x: -x[0])[:3]]
-    return head + ("; " + "; ".join(top) if top else "; no mechanism figure differs by much")
+    return (f"{first.label} over {second.label}: {'; '.join(head)}"
+            + ("; " + "; ".join(top) if top else "; no mechanism figure differs by much"))
 
 
 # the metric families (validate/accuracy.py) whose error bears on each priority's figure: capacity and cost follow

@@ -48,6 +48,8 @@ class RunResult:
     decisions: list[int] = field(default_factory=list)   # requests each replica's router sent it
     disaggregation: dict | None = None                    # KV transfers and links (prefill/decode pools)
     stalls: list[dict] = field(default_factory=list)      # replicas stuck at the end (Runner.stalls)
+    # each replica's prefix-cache lookups over the run, (queried, hit) tokens, its failed engines' included
+    prefix_tokens: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -90,6 +92,8 @@ class Runner:
         self.compile_s = wl.structured_output.compile_s if wl.structured_output.fraction else 0.0
         self.check_invariants = check_invariants
         self.engines = [build_engine(p.entry, p.dep) for p in self.pools for _ in p.indices]
+        # prefix-cache lookups (queried, hit tokens) of each replica's engines that failed and were replaced
+        self.retired_prefix_tokens: list[tuple[int, int]] = [(0, 0)] * len(self.engines)
         if scenario.exact:
             for eng in self.engines:
                 eng.exact_mode()
@@ -181,7 +185,10 @@ class Runner:
                                                                                              batch))
             return
         batch.left = True   # a request sent at the same instant from now on starts a batch of its own
-        decision_s = self.scenario.deployment.router_decision_s if len(self.front.indices) > 1 else 0.0
+        # one decision per request picks its replica in every tier that offers a choice (a P/D proxy picks the prefill
+        # and the decode replica together), so it is paid here, once, where any tier has more than one replica
+        choice = len(self.front.indices) > 1 or (self.back is not None and len(self.back.indices) > 1)
+        decision_s = self.scenario.deployment.router_decision_s if choice else 0.0
         for req in batch.requests:
             wait = decision_s
             if req.structured and self.compile_s:
@@ -334,7 +341,9 @@ class Runner:
         num_bytes = req.remote_kv_tokens * self.kv_bytes_per_token[src_pool.name]
         sent_s, schedules = self.decode_sent[rid]
         reserved_s = env.now
-        waited_for_room = self.replicas[dst].schedules > schedules + 1   # not reserved at its first chance
+        # not reserved at its first chance: the next schedule call, or the one after for an engine that schedules
+        # ahead (its decision for the step after the one in flight was taken before the request arrived)
+        waited_for_room = self.replicas[dst].schedules > schedules + 1 + self.replicas[dst].schedules_ahead
         out, into = self.egress[src], self.ingress[dst]
         with out.resource.request() as a:
             yield a
@@ -390,6 +399,9 @@ class Runner:
         old.engine.sync()       # lazily advanced counters (the decode cohort) as of the last completed step
         pool = self.pool_of[i]
         engine = build_engine(pool.entry, pool.dep)   # what comes back: the failed engine and its cache are gone
+        queried, hit = old.engine.prefix_cache_tokens()   # the lookups it served count in the run's hit rate
+        self.retired_prefix_tokens[i] = (self.retired_prefix_tokens[i][0] + queried,
+                                         self.retired_prefix_tokens[i][1] + hit)
         self.engines[i] = engine
         held = sorted(rid for rid, r in self.assigned.items() if r == i)
         router = self._tier_of(i).router
@@ -676,7 +688,9 @@ class Runner:
             self.recorder.request(req, -1, "unfinished")
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
                          self.fault_summary(self.env.now), self.down_intervals(self.env.now), self.pools,
-                         self.decisions, self.disaggregation_summary(self.env.now), self.stalls())
+                         self.decisions, self.disaggregation_summary(self.env.now), self.stalls(),
+                         [(q + e.prefix_cache_tokens()[0], h + e.prefix_cache_tokens()[1])
+                          for (q, h), e in zip(self.retired_prefix_tokens, self.engines, strict=True)])
 
     def stalls(self) -> list[dict]:
         """Replicas that ended the run stuck: up, work in the engine, nothing it could schedule, and no step since."""
