@@ -116,3 +116,16 @@ def test_overload_is_flagged_when_finishes_fall_behind_arrivals():
     assert "overloaded" in table.splitlines()[-1]
     cost = [ln for ln in table.splitlines() if ln.startswith("at40")][0].split()[-1]
     assert cost.endswith("!")
+
+
+def test_a_deployment_of_pools_scales_as_a_whole():
+    """Audit 2026-12-06: 2 prefill + 1 decode replicas of one GPU each counted as three one-GPU replicas, so the GPUs
+    for a target rate could be a number no whole 2P+1D layout gives."""
+    from simengine.planning.capacity import Capacity, scaling_unit
+    from simengine.sim.build import plan_pools
+    sc = make_scenario(pools=[{"role": "prefill", "replicas": 2}, {"role": "decode", "replicas": 1}])
+    assert scaling_unit(plan_pools(sc, sc.engines[0])) == (1, 3)
+    plain = make_scenario(deployment__replicas=4, deployment__tp=2)
+    assert scaling_unit(plan_pools(plain, plain.engines[0])) == (4, 2)
+    unit = Capacity("pd", 7.71, 10.0, 1, 3)
+    assert unit.devices_for(20.0) == 9 and unit.rate_per_device == pytest.approx(7.71 / 3)

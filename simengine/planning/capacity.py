@@ -192,6 +192,14 @@ def judge(summaries: list[dict], attainment_values: list[float | None], limits: 
     return True, "", pooled
 
 
+def scaling_unit(pools) -> tuple[int, int]:
+    """(replicas, devices per replica) the deployment grows by: one pool's replicas, or, for several pools (prefill
+    and decode pools, a mixed fleet), the whole deployment as one replica of all their devices."""
+    if len(pools) == 1:
+        return pools[0].count, pools[0].dep.num_devices
+    return 1, sum(p.num_devices for p in pools)
+
+
 def search(scenario: Scenario, entry: EngineEntry, limits: list[StatLimit], *, attainment: float = 0.99,
            tolerance: float = 0.02, repeats: int = 1, progress=None) -> Capacity:
     """The capacity of one engine (see the module's docstring)."""
@@ -211,13 +219,12 @@ def search(scenario: Scenario, entry: EngineEntry, limits: list[StatLimit], *, a
     if not 1 <= repeats <= 100:
         raise InputError(f"must be between 1 and 100 runs per rate, got {repeats}", field="--repeats")
     pools = plan_pools(scenario, entry)
-    replicas, devices = sum(p.count for p in pools), sum(p.num_devices for p in pools)
-    cap = Capacity(entry.display, 0.0, 0.0, replicas, devices // replicas, requests_per_run=requests_per_run(scenario))
+    cap = Capacity(entry.display, 0.0, 0.0, *scaling_unit(pools), requests_per_run=requests_per_run(scenario))
 
     def run(sc: Scenario) -> tuple[dict, float | None]:
         r = run_engine(sc, entry)
         cap.runs += 1
-        summary = {**r.summary, "_devices": devices}
+        summary = {**r.summary, "_devices": sum(p.num_devices for p in pools)}
         return summary, slo_attainment(r.recorder, sc.slo)
 
     def probe(rate: float) -> Point:
