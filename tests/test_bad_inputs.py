@@ -58,6 +58,7 @@ def _workdir(base: Path) -> Path:
     shutil.copytree(INPUTS, work)
     (work / "scenarios.yaml").mkdir()  # cli/scenario_is_directory
     (work / "a_file.txt").write_text("a file where a folder is expected\n")  # cli/out_is_a_file and others
+    (work / "cases.yaml.txt").write_text("not a scenario\n")  # cli/scenario_is_not_yaml
     return work
 
 

@@ -177,6 +177,9 @@ def from_dict(cls: type, data: Any, *, source: str | None, field: str = "") -> A
         return cls.from_name(data)
     if not isinstance(data, dict):
         hint = "; is the file truncated?" if data is None else ""
+        if isinstance(data, int | float) and not isinstance(data, bool) and "dist" in {f.name for f in
+                                                                                        dataclasses.fields(cls)}:
+            hint = f"; a distribution is a mapping, e.g. {{dist: constant, value: {data:g}}}"
         raise InputError(f"expected a mapping for {cls.__name__}, got {_kind(data)}{hint}", source=source,
                          field=field or None)
     hints = get_type_hints(cls)
@@ -190,10 +193,12 @@ def from_dict(cls: type, data: Any, *, source: str | None, field: str = "") -> A
                 f"{', '.join(sorted(fields)) or 'none (remove it)'}",
                 source=source, field=path)
         kwargs[key] = convert(hints[key], value, source=source, field=path)
-    for name, f in fields.items():
-        if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
-            path = f"{field}.{name}" if field else name
-            raise InputError("required key is missing", source=source, field=path)
+    missing = [name for name, f in fields.items()
+               if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING]
+    if missing:
+        path = f"{field}.{missing[0]}" if field else missing[0]
+        also = f" (and {', '.join(missing[1:])}: give each)" if len(missing) > 1 else ""
+        raise InputError(f"required key is missing{also}", source=source, field=path)
     try:
         return cls(**kwargs)
     except InputError as exc:
@@ -280,7 +285,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        value = raw
+        if raw.lstrip().startswith(("{", "[")):   # meant as a mapping or a list: say why it is not one
+            raise InputError(f"the value of '{text}' is not valid YAML (an unclosed bracket or brace?)",
+                             field="--set") from None
+        value = raw   # plain text with YAML punctuation (a path, a label): taken as written
     return key.strip().split("."), value
 
 

@@ -247,6 +247,10 @@ def resolve_scenario_path(name_or_path: str) -> Path:
         return p
     files = scenario_files()
     if name_or_path not in files:
+        if p.exists() and (p.is_dir() or p.suffix or "/" in name_or_path):
+            what = "a folder" if p.is_dir() else "not a YAML file"
+            raise InputError(f"'{name_or_path}' is {what}; give a scenario name (simengine list scenarios) or a "
+                             ".yaml file", field="SCENARIO")
         raise unknown_name("scenario", name_or_path, files, field="SCENARIO")
     return files[name_or_path]
 
@@ -264,9 +268,29 @@ def load_scenario(name_or_path: str, overrides: list[str] | None = None) -> Scen
     if overrides and data.get("name", path.stem) == base:
         data["name"] = f"{base}--{variant_slug(overrides)}"
     data.setdefault("name", path.stem)
-    scenario = from_dict(Scenario, data, source=str(path))
-    check_engines(scenario, source=str(path))
+    try:
+        scenario = from_dict(Scenario, data, source=str(path))
+        check_engines(scenario, source=str(path))
+    except InputError as exc:   # a value an override set: say so, beside the file
+        culprit = _override_of(exc.field, overrides or [])
+        if culprit is None:
+            raise
+        raise type(exc)(exc.message, source=f"{path} (--set {culprit})", field=exc.field) from None
     return scenario
+
+
+def _override_of(field: str | None, overrides: list[str]) -> str | None:
+    """The last --set KEY=VALUE whose key path holds `field` or lies inside it, or None."""
+    import re
+
+    if not field:
+        return None
+    at = re.sub(r"\[(\w+)\]", r".\1", field)
+    for o in reversed(overrides):
+        key = o.split("=", 1)[0].strip()
+        if at == key or at.startswith(key + ".") or key.startswith(at + "."):
+            return o
+    return None
 
 
 def variant_slug(overrides: list[str]) -> str:
