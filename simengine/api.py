@@ -318,7 +318,7 @@ def _write_engine(d: Path, r: EngineResult, config: str, scenario: Scenario, dat
                                                  "partial": r.summary["partial"]}, indent=2) + "\n")
     (d / "config.yaml").write_text(config)
     write_trace(r.recorder, r.label, d / "trace.json")
-    prometheus.series(r.recorder, r.end_s).to_csv(d / "metrics.csv", index=False, float_format="%.6g")
+    prometheus.series(r.recorder, r.end_s).to_csv(d / "metrics.csv", index=False, float_format="%.10g")
     (d / "metrics.prom").write_text(prometheus.exposition(r.recorder, r.end_s, model, r.summary["engine"]))
     (d / "vllm_bench_serve.json").write_text(json.dumps(bench_result(r.recorder, r.summary, scenario,
                                                                      r.summary["engine"], date)) + "\n")

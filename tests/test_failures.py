@@ -105,3 +105,12 @@ def test_reasons_that_differ_in_their_numbers_count_together_showing_each_number
                *(f"prompt of {n} tokens exceeds max_model_len 4096" for n in (5000, 6000, 7000, 8000, 9000))]
     out = failure_reasons(strings, np.array([0, 16, 50, 123, 1, 1, 1, 1, 1]))
     assert out == {"replica 0/1/2 failed": 189, "prompt of 5000-9000 tokens exceeds max_model_len 4096": 5}
+
+
+def test_the_report_states_the_failures_and_the_availability():
+    from simengine.report.html import insights
+    r = _run(2, {"at": [{"time_s": 10.0, "replica": 0, "down_s": 8.0}], "max_retries": 1})
+    lines = [ln for ln in insights({"vllm": r.summary}, {}) if "replica failure" in ln]
+    f = r.summary["faults"]
+    assert lines == [f"vllm: 1 replica failure(s), availability {f['availability']:.1%}; {f['retries']:,} requests "
+                     f"resent, 0 failed for it."]

@@ -169,3 +169,15 @@ def test_a_long_runs_trace_is_cut_and_says_so(monkeypatch):
     t = trace.trace_events(r.recorder, "vllm")
     assert sum(1 for e in t["traceEvents"] if e["ph"] == "X" and e["pid"] == 1) == 100
     assert "first 100 steps" in t["otherData"]["contents"]
+
+
+def test_the_kv_timeline_averages_every_replica_as_its_last_step_left_it():
+    """Audit 2026-12-06: grouping step rows by end time drew one replica at a time (a 0-100 % zig-zag)."""
+    import pandas as pd
+
+    from simengine.report.plots import fleet_state
+    steps = pd.DataFrame({"replica": [0, 1, 0, 1], "end_s": [1.0, 1.5, 2.0, 2.5],
+                          "kv_usage": [1.0, 0.0, 1.0, 0.0], "num_running": [4, 0, 4, 0], "num_waiting": [1, 0, 2, 0]})
+    s = fleet_state(steps, points=6)   # t = 0, 0.5, ..., 2.5
+    assert s["kv"].tolist() == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]   # replica 0 full, replica 1 empty: half, not 0/1
+    assert s["run"].tolist() == [0, 0, 4, 4, 4, 4] and s["wait"].tolist() == [0, 0, 1, 1, 2, 2]

@@ -201,6 +201,9 @@ class EnginePolicy(RemoteKV, ABC):
     def has_work(self) -> bool:
         return self.num_running() > 0 or self.num_waiting() > 0
 
+    def num_running_reported(self) -> int:   # its statistics after a step (a finished request released later: out)
+        return self.num_running()
+
     def check_invariants(self) -> None:  # noqa: B027  (optional hook: engines without extra state skip it)
         """Raise AssertionError on broken bookkeeping (tests/fuzzing)."""
 
@@ -276,17 +279,15 @@ class EnginePolicy(RemoteKV, ABC):
         return False
 
     def refusal(self, req: Request) -> str | None:
-        """Why the engine refuses `req` at admission whatever its state (the request's lengths against the
-        engine's limits; engines answer HTTP 400), or None. Pure: a run checks its shortest prompt with it before
-        simulating (sim/build.py), and `admit_length` rejects with it."""
+        """Why the engine refuses `req` whatever its state (its lengths against the engine's limits: HTTP 400), or
+        None. Pure: a run checks its shortest prompt with it before simulating (sim/build.py)."""
         if req.prompt_len + 1 > self.max_model_len:   # no room to generate within max_model_len
             return f"prompt of {req.prompt_len} tokens exceeds max_model_len {self.max_model_len}"
         return None
 
     def admit_length(self, req: Request) -> bool:
         """Reject `req` (False) where `refusal` gives a reason."""
-        reason = self.refusal(req)
-        return True if reason is None else self.reject(req, reason)
+        return (reason := self.refusal(req)) is None or self.reject(req, reason)
 
     def update(self, out: SchedulerOutput, now: float) -> StepResult:
         """Advance computed tokens; a request that caught up samples one token; finished ones are released."""

@@ -197,6 +197,9 @@ class VllmEngine(VllmConnectors):
             self.finishing = []
         return out
 
+    def num_running_reported(self) -> int:   # make_stats runs after update_from_output has freed the finished
+        return len(self.running) - len(self.finishing)
+
     def on_finished(self, finished: list[Request], now: float) -> None:
         if self.async_scheduling:
             self.finishing += finished

@@ -66,6 +66,10 @@ def insights(summaries: dict[str, dict], folders: dict[str, Path]) -> list[str]:
             reason = next(iter(s.get("failure_reasons") or {"": 0}))
             out.append(f"{k}: {s['failed']:,} of {s['num_requests']:,} requests failed" +
                        (f" ({reason})." if reason else "."))
+        if s.get("faults", {}).get("failures"):
+            f = s["faults"]
+            out.append(f"{k}: {f['failures']} replica failure(s), availability {f['availability']:.1%}; "
+                       f"{f['retries']:,} requests resent, {f['failed_by_fault']:,} failed for it.")
         if s.get("partial"):
             out.append(f"{k}'s run stopped at the wall-clock limit: its figures are partial.")
     return out

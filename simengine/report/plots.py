@@ -70,12 +70,27 @@ def latency_timeline(requests: pd.DataFrame, title: str, down: list[tuple[int, f
     return save_figure(fig, path, dpi=110)
 
 
+def fleet_state(steps: pd.DataFrame, points: int = 600) -> pd.DataFrame:
+    """Every replica's state (KV usage, running, waiting) as its last step left it, on one time grid: KV usage the
+    mean over replicas, the queues their sums (steps of different replicas end at different times, so grouping rows
+    by end time would draw one replica at a time)."""
+    grid = np.linspace(0.0, float(steps["end_s"].max()), points)
+    kv, run, wait = np.zeros(points), np.zeros(points), np.zeros(points)
+    replicas = steps.groupby("replica", sort=True)
+    for _, mine in replicas:
+        mine = mine.sort_values("end_s", kind="stable")
+        at = np.searchsorted(mine["end_s"].to_numpy(), grid, side="right") - 1   # its last step by then (-1: none)
+        seen = at >= 0
+        for total, col in ((kv, "kv_usage"), (run, "num_running"), (wait, "num_waiting")):
+            total[seen] += mine[col].to_numpy()[at[seen]]
+    return pd.DataFrame({"end_s": grid, "kv": kv / replicas.ngroups, "run": run, "wait": wait})
+
+
 def kv_timeline(steps: pd.DataFrame, title: str, path: Path) -> Path:
-    """KV-cache usage, running and waiting requests over simulated time."""
+    """KV-cache usage (mean over replicas), running and waiting requests (summed) over simulated time."""
     fig, ax1 = plt.subplots(figsize=(10, 4.8), layout="constrained")
     if len(steps):
-        s = steps.groupby("end_s", sort=True).agg(kv=("kv_usage", "mean"), run=("num_running", "sum"),
-                                                  wait=("num_waiting", "sum")).reset_index()
+        s = fleet_state(steps)
         ax1.plot(s["end_s"], s["kv"] * 100, color="tab:purple", label="KV usage (%)")
         ax2 = ax1.twinx()
         ax2.plot(s["end_s"], s["run"], color="tab:green", label="running", alpha=0.8)
@@ -179,7 +194,7 @@ def engines_grid(frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]], summaries
         # TPOT exists for outputs of 2 or more tokens: the share is of those requests, failed ones included
         _cdf(a_tpot, done["tpot_ms"].to_numpy(), int((req["output_len"] > 1).sum()), label, c)
         if len(steps):
-            s = steps.groupby("end_s").agg(kv=("kv_usage", "mean")).reset_index()
+            s = fleet_state(steps)
             a_kv.plot(s["end_s"], s["kv"] * 100, label=label, alpha=0.8, color=c)
         d = done.dropna(subset=["ttft_ms"])
         if len(d):

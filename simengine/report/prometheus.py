@@ -41,7 +41,7 @@ def series(rec: Recorder, end_s: float) -> pd.DataFrame:
 
     replicas = 1 + int(max((rows["replica"].max() for rows in rec.step_rows() if len(rows)), default=0))
     gauges = {c: np.full((replicas, n), np.nan) for c in ("num_running", "num_waiting", "kv_usage")}
-    per_bin = {c: np.zeros(n) for c in ("preempted", "decode_tokens")}
+    per_bin = {c: np.zeros(n) for c in ("preempted", "output_tokens")}
     for rows in rec.step_rows():
         b = bins(rows["end_s"])
         for c in per_bin:
@@ -82,8 +82,9 @@ def series(rec: Recorder, end_s: float) -> pd.DataFrame:
         # as vLLM v1 counts it (IterationStats.update_from_output): a request's whole prompt, cached part
         # included, when its first token comes out
         "vllm:prompt_tokens_total": cum(req["prompts"]),
-        # a request's first token comes out of its last prefill step; the rest out of decode steps
-        "vllm:generation_tokens_total": cum(per_bin["decode_tokens"] + req["first_tokens"]),
+        # every token a step emits (a request's first out of its last prefill step, a verify step's accepted drafts
+        # and its own token), as each instance counts them: a P/D prefill instance's first token too
+        "vllm:generation_tokens_total": cum(per_bin["output_tokens"]),
         "vllm:prefix_cache_queries_total": cum(req["queries"]),
         "vllm:prefix_cache_hits_total": cum(req["hits"]),
         "vllm:request_success_total": cum(req["success"]),

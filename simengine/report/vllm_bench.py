@@ -47,8 +47,9 @@ def peak_output_tokens_per_s(rec: Recorder, start_s: float) -> float:
 
 
 def peak_concurrency(rec: Recorder) -> tuple[int, float]:
-    """vLLM's max_concurrent_requests, the most completed requests in flight at once, each over [sent, finished),
-    and the first completed request's send time (where vLLM's one-second buckets start)."""
+    """vLLM's max_concurrent_requests (benchmarks/serve.py calculate_metrics): one-second buckets from the first
+    completed request's send, each completed request counted in every bucket from its send's to its end's
+    (inclusive), the fullest bucket; and that first send time."""
     done = rec.code("completed")
     starts, ends = [], []
     for rows in rec.request_rows():
@@ -58,10 +59,13 @@ def peak_concurrency(rec: Recorder) -> tuple[int, float]:
     sent = np.concatenate(starts) if starts else np.zeros(0)
     if not len(sent):
         return 0, 0.0
-    times = np.concatenate([sent, *ends])
-    deltas = np.concatenate([np.ones(len(sent), np.int64), -np.ones(len(sent), np.int64)])
-    order = np.lexsort((deltas, times))   # at equal times a finish (-1) before a send: half-open intervals
-    return int(np.cumsum(deltas[order]).max()), float(sent.min())
+    first = float(sent.min())
+    lo = (sent - first).astype(np.int64)
+    hi = (np.concatenate(ends) - first).astype(np.int64)
+    change = np.zeros(int(hi.max()) + 2, np.int64)   # +1 at each request's first bucket, -1 past its last
+    np.add.at(change, lo, 1)
+    np.add.at(change, hi + 1, -1)
+    return int(np.cumsum(change).max()), first
 
 
 def per_request_lists(rec: Recorder, limit: int) -> dict[str, list]:
@@ -79,7 +83,10 @@ def per_request_lists(rec: Recorder, limit: int) -> dict[str, list]:
             lists["input_lens"].append(row["prompt_len"])
             lists["output_lens"].append(row["num_output_tokens"] if ok else 0)
             lists["ttfts"].append(row["first_token_s"] - sent if ok else 0.0)
-            lists["itls"].append(np.diff(times).tolist() if ok and times is not None else [])
+            # one gap a streamed chunk, as the client sees them: the tokens of one chunk (a verify step's accepted
+            # drafts) arrive together, so the zero gaps between them are not inter-token latencies
+            gaps = np.diff(times) if ok and times is not None else np.empty(0)
+            lists["itls"].append(gaps[gaps > 0].tolist())
             lists["latencies"].append(row["finish_s"] - sent if ok else 0.0)
             lists["start_times"].append(sent)
             lists["queue_times"].append(0.0)   # the simulated client sends on time: no client-side semaphore wait

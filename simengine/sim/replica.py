@@ -290,7 +290,7 @@ class Replica:
         """A step's row of STEP_FIELDS (`cost`: the StepCost fields in order), the queues as they are now (requests
         held for the engine's next decision among the waiting)."""
         engine = self.engine
-        return (self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running(),
+        return (self.index, start, end, n, shape.num_prefill_tokens, shape.num_decode, engine.num_running_reported(),
                 self.num_waiting(), kv_usage, preempted, *cost, shape.cuda_graph, output_tokens, shape.spec_tokens)
 
 
