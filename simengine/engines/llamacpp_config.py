@@ -47,7 +47,8 @@ class LlamaCppParams(Checked):
     cont_batching: bool = True           # -cb (common.h cont_batching)
     context_shift: bool = False          # --context-shift (common.h ctx_shift)
     cache_prompt: bool = True            # request field cache_prompt, on by default (common.h)
-    # --cache-ram: MiB of host prompt cache, -1 no limit, 0 off (common.h)
+    # --cache-ram: MiB of host prompt cache, 0 off, -1 half the host RAM free at startup (common.h @001d906; taken
+    # as no limit here: the host's memory is not modelled)
     cache_ram: Annotated[int, Range(0, 1 << 30, also=(-1,))] = 8192
     cache_idle_slots: bool = True        # --cache-idle-slots: save idle slots to the RAM cache (common.h)
     slot_prompt_similarity: Share = 0.1  # -sps; 0 disables similarity-based slot choice (common.h)

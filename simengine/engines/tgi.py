@@ -63,14 +63,30 @@ class TgiParams(Checked):
     tgi_wiggle_room: MemoryFraction = 0.90          # env TGI_WIGGLE_ROOM (models/globals.py)
 
 
-def tgi_compute_optimal_prefill(dep: Deployment) -> int:
-    """launcher/src/main.rs compute_optimal: fp16 FLOP/s of the shards / model FLOP per token (q, k, v, o and
-    attention projections + gated MLP), fallback 4096 when implausible (<= 100), capped by the context."""
-    m = dep.model
+# launcher/src/main.rs @db931fc ComputeType::f16_flop: the launcher's own table, keyed by the card name nvidia-smi
+# prints (lower case, spaces as dashes); any other card (H100 PCIe, H800, B200, GeForce names, every AMD or Intel
+# device: no nvidia-smi name it knows) has no figure and takes the 4,096 fallback
+TGI_CARD_F16_FLOPS = {"l4": 121e12, "l40s": 363e12, "a10g": 125e12, "a100_80g_sxm": 312e12, "a100_40g_sxm": 312e12,
+                      "a100_pcie": 312e12, "h100_sxm": 900e12, "h100_nvl": 900e12, "h200_sxm": 989e12}
+TGI_LAUNCHER_WIGGLE_ROOM = 0.95   # launcher/src/main.rs ComputeType::vram: env TGI_WIGGLE_ROOM, default 0.95
+
+
+def tgi_compute_optimal_prefill(dep: Deployment, cuda_memory_fraction: float = 1.0) -> int:
+    """launcher/src/main.rs @db931fc max_batch_prefill_tokens: the card's fp16 FLOP/s (its table) x shards / the
+    model's FLOP per token (q, k, v, o and attention projections + gated MLP), 4096 without a figure or when
+    implausible (<= 100); capped by the context, then by the tokens the VRAM left after 16-bit weights holds (KV and
+    MLP intermediates a token; unquantised models only)."""
+    m, hw = dep.model, dep.hardware
     flop = 2 * m.active_linear_params + 2 * m.num_layers * m.num_heads * m.head_dim * m.hidden_size
-    peak = dep.hardware.peak_flops.get("fp16") or dep.hardware.peak_flops.get("bf16", 0.0)
-    optimal = int(peak * dep.tp / flop) if flop else 0
-    return min(optimal if optimal > 100 else 4096, m.max_model_len)
+    optimal = int(TGI_CARD_F16_FLOPS.get(hw.name, 0.0) * dep.tp / flop) if flop else 0
+    value = min(optimal if optimal > 100 else 4096, m.max_model_len)
+    if dep.weight_format.bytes_per_param >= 2:   # vram_maximum: None for a quantised model
+        available = hw.memory_bytes * dep.tp * cuda_memory_fraction * TGI_LAUNCHER_WIGGLE_ROOM
+        inter = m.expert_params // (3 * m.hidden_size) if m.is_moe else m.intermediate_size
+        per_token = 4 * m.num_kv_heads * m.head_dim * m.num_layers + (inter + inter // 2) * max(m.num_experts, 1) * 6
+        if per_token and available > m.total_params * 2:
+            value = min(value, int((available - m.total_params * 2) // per_token))
+    return value
 
 
 @dataclass(slots=True)
@@ -95,11 +111,11 @@ class TgiEngine(RadixCacheViews, EnginePolicy):
     def __init__(self, params: TgiParams, dep: Deployment):
         p = params
         self.block = BLOCK_SIZES[p.attention]
-        self.mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(dep)
+        self.mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(dep, p.cuda_memory_fraction)
         super().__init__(params, dep)
 
         def kv_bytes(d: Deployment) -> float:
-            mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(d)   # self.mbpt on this deployment
+            mbpt = p.max_batch_prefill_tokens or tgi_compute_optimal_prefill(d, p.cuda_memory_fraction)   # self.mbpt
             free = (p.cuda_memory_fraction * d.hardware.memory_bytes - d.weight_bytes_per_device - NON_TORCH_BYTES
                     - activation_reserve_bytes(d, mbpt, 1))
             # warmup: KV = free memory x wiggle room, plus the warmup batch's own blocks (flash_causal_lm.warmup)

@@ -131,8 +131,11 @@ def vllm_chunked_prefill(p: VllmParams, dep: Deployment) -> bool:
 def vllm_batch_defaults(p: VllmParams, dep: Deployment) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) vLLM's OpenAI server picks for this device, engine and chunking."""
     seqs, tokens = _device_batch_defaults(dep) if p.use_v1 else (V0_MAX_NUM_SEQS, V0_CHUNKED_BATCHED_TOKENS)
-    if not vllm_chunked_prefill(p, dep):
-        tokens = max(p.max_model_len or dep.model.max_model_len, UNCHUNKED_MIN_BATCHED_TOKENS)
+    if not vllm_chunked_prefill(p, dep):   # a step must hold a whole prompt: V1 floors its device default at the
+        # context (arg_utils.py _set_default_max_num_seqs_and_batched_tokens_args), V0 floored 2048 there
+        tokens = max(p.max_model_len or dep.model.max_model_len, tokens if p.use_v1 else UNCHUNKED_MIN_BATCHED_TOKENS)
+    if p.use_v1:   # the same function: max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        seqs = min(seqs, p.max_num_batched_tokens or tokens)
     return seqs, tokens
 
 
@@ -148,8 +151,9 @@ def _device_batch_defaults(dep: Deployment) -> tuple[int, int]:
 
 
 def vllm_capture_sizes(max_num_seqs: int, max_batched: int) -> tuple[int, ...]:
-    """CUDA-graph capture sizes: 1,2,4, 8..248 step 8, 256.. step 16, up to min(2*max_num_seqs, 512)."""
-    limit = min(2 * max_num_seqs, 512)
+    """CUDA-graph capture sizes: 1,2,4, 8..248 step 8, 256.. step 16, up to min(2*max_num_seqs, 512) and never past
+    max_num_batched_tokens (config/vllm.py _set_cudagraph_sizes)."""
+    limit = min(2 * max_num_seqs, 512, max_batched)
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, limit + 1, 16))
     out = sorted({s for s in sizes if s <= limit} | ({max_batched} if max_batched <= limit else set()))
     return tuple(out)

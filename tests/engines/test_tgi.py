@@ -184,3 +184,15 @@ def test_end_to_end_conserves_requests_and_never_preempts():
     s = r.summary
     assert s["completed"] + s["failed"] + s["unfinished"] == s["num_requests"] > 50
     assert s["preemptions"] == 0 and s["prefix_cache_hit_rate"] > 0.2
+
+
+def test_the_prefill_budget_comes_from_the_launchers_own_card_table():
+    """launcher/src/main.rs @db931fc: an H100 counts 900 TFLOP/s (not its 989 datasheet figure), and a card its table
+    does not name (B200, H100 PCIe, every AMD device) falls back to 4096."""
+    from simengine.engines.tgi import tgi_compute_optimal_prefill
+    h100 = make_dep("h100_sxm")
+    flop = 2 * h100.model.active_linear_params + 2 * h100.model.num_layers * h100.model.num_heads * \
+        h100.model.head_dim * h100.model.hidden_size
+    assert tgi_compute_optimal_prefill(h100) == int(900e12 / flop)
+    for card in ("b200", "h100_pcie", "mi300x"):
+        assert tgi_compute_optimal_prefill(make_dep(card)) == 4096, card

@@ -447,8 +447,12 @@ def test_v0_defaults_and_when_it_chunks():
     assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=4096), dep) == (256, 4096)
     assert vllm_batch_defaults(VllmParams(use_v1=False, max_model_len=1000), dep) == (256, 2048)
     assert vllm_batch_defaults(VllmParams(use_v1=False, enable_chunked_prefill=True), dep) == (256, 2048)
-    # V1 without chunking keeps the device's sequence cap and takes a whole context per step
-    assert vllm_batch_defaults(VllmParams(enable_chunked_prefill=False, max_model_len=4096), dep) == (1024, 4096)
+    # V1 without chunking keeps the device's defaults, floored at a whole context a step (arg_utils.py
+    # _set_default_max_num_seqs_and_batched_tokens_args: max(max_model_len, the device's 8,192 on an H100))
+    assert vllm_batch_defaults(VllmParams(enable_chunked_prefill=False, max_model_len=4096), dep) == (1024, 8192)
+    assert vllm_batch_defaults(VllmParams(enable_chunked_prefill=False, max_model_len=32768), dep) == (1024, 32768)
+    # and max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    assert vllm_batch_defaults(VllmParams(max_num_batched_tokens=512), dep) == (512, 8192)
     assert VllmEngine(v0, dep).kv.enable_prefix_caching is False
     assert VllmEngine(VllmParams(), dep).kv.enable_prefix_caching is True
 
