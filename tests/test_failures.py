@@ -114,3 +114,13 @@ def test_the_report_states_the_failures_and_the_availability():
     f = r.summary["faults"]
     assert lines == [f"vllm: 1 replica failure(s), availability {f['availability']:.1%}; {f['retries']:,} requests "
                      f"resent, 0 failed for it."]
+
+
+def test_replicas_failing_at_the_same_instant_do_not_spend_a_retry_on_each_other():
+    """Audit 2026-12-06: a request lost by one replica was resent at once to another failing at the same instant,
+    so one outage of the whole fleet used up its retries; now it waits for the first replica back."""
+    at = [{"time_s": 10.0, "replica": 0, "down_s": 2.0}, {"time_s": 10.0, "replica": 1, "down_s": 2.0}]
+    r = _run(2, {"at": at, "max_retries": 1})
+    _conserved(r)
+    assert r.summary["faults"]["retries"] > 0 and r.summary["faults"]["failed_by_fault"] == 0
+    assert r.summary["failed"] == 0

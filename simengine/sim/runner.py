@@ -430,7 +430,9 @@ class Runner:
             if req.token_times is not None:
                 fresh.token_times = array("d")  # the client sees only the retry's tokens
             self.live[req.request_id] = fresh
-            self._route(fresh)
+            # routed after the instant's other events: a failure of another replica at the same instant is applied
+            # first, so a retry is not spent on a replica that is going down now (it waits for one back instead)
+            self.env.timeout(0).callbacks.append(functools.partial(self._route_on, fresh))
             return
         req.status = Status.FAILED
         req.fail_reason = f"replica {i} failed" + (f" (after {n} retries)" if n else "")
