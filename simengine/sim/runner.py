@@ -691,8 +691,8 @@ class Runner:
         return RunResult(self.scenario, self.entry, self.dep, self.recorder, self.env.now, self.engines, partial,
                          self.fault_summary(self.env.now), self.down_intervals(self.env.now), self.pools,
                          self.decisions, self.disaggregation_summary(self.env.now), self.stalls(),
-                         [(q + e.prefix_cache_tokens()[0], h + e.prefix_cache_tokens()[1])
-                          for (q, h), e in zip(self.retired_prefix_tokens, self.engines, strict=True)])
+                         [(int(t[0]), int(t[1])) for t in np.add(self.retired_prefix_tokens,
+                                                                  [e.prefix_cache_tokens() for e in self.engines])])
 
     def stalls(self) -> list[dict]:
         """Replicas that ended the run stuck: up, work in the engine, nothing it could schedule, and no step since."""
